@@ -1,0 +1,55 @@
+"""Pieces every op shares: input checks that raise clear errors, row views, partial-sum reductions."""
+
+from __future__ import annotations
+
+import torch
+
+from liger_lab import runtime
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_float(name: str, tensor: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``tensor`` is a fp32, fp16 or bf16 tensor where the kernels run."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} has dtype {tensor.dtype}: expected torch.float32, torch.float16 or torch.bfloat16")
+    runtime.check_device(**{name: tensor})
+
+
+def check_same_dtype(**tensors: torch.Tensor) -> None:
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    if len(set(dtypes.values())) > 1:
+        listed = ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+        raise ValueError(f"expected one dtype, got {listed}")
+
+
+def check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"expected tensors of one shape, got {listed}")
+
+
+def check_feature_vector(name: str, vector: torch.Tensor, x: torch.Tensor) -> None:
+    """A per-feature parameter (weight, bias): 1-D with x's last dimension."""
+    check_float(name, vector)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the hidden size)")
+    if vector.dim() != 1 or vector.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"{name} has shape {tuple(vector.shape)}: expected ({x.shape[-1]},) to match the last dimension of x "
+            f"{tuple(x.shape)}"
+        )
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View ``x`` as (rows, last dim) with unit stride along the row; copies only when it must."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
+
+
+def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Finish a cross-program reduction: (programs, n) fp32 partial sums -> (n,) in ``dtype``."""
+    return partials.sum(dim=0).to(dtype)

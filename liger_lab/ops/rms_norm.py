@@ -1,0 +1,171 @@
+r"""RMSNorm, fused forward and backward.
+
+For one row :math:`x \in \mathbb{R}^n` with weight :math:`w` and offset :math:`o` (0 for Llama, 1 for Gemma)::
+
+    r    = 1 / sqrt(mean(x**2) + eps)          # one fp32 statistic per row, saved for the backward
+    xhat = x * r
+    y    = xhat * (o + w)
+
+Backward, with g = dy * (o + w) (derivation in solutions/01_rmsnorm.ipynb)::
+
+    dx = r * (g - xhat * mean(g * xhat))
+    dw = sum over rows of dy * xhat
+
+Casting modes follow Hugging Face: ``"llama"`` rounds xhat to the input dtype before multiplying by the
+weight (output dtype: the promotion of x's and w's dtypes); ``"gemma"`` does everything in fp32 and
+returns x's dtype. Statistics are always fp32.
+
+The forward reads x and writes y: 2 passes of n elements per row. The backward reads x and dy and
+writes dx; dw needs a sum over *all rows*, so each program of a persistent grid keeps a running fp32
+partial sum of its rows in registers and writes one row of partials at the end; a tiny torch sum over
+programs finishes it (no atomics, no bf16 accumulation).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_lab import runtime
+from liger_lab.ops.common import as_rows, check_feature_vector, check_float, sum_partials
+
+CASTING_MODES = ("llama", "gemma")
+
+
+@triton.jit
+def _rms_norm_forward_kernel(
+    x_ptr, x_row_stride, w_ptr, y_ptr, y_row_stride, rstd_ptr,
+    n_rows, n_cols, eps, offset,
+    GEMMA_CASTING: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    rows64 = rows.to(tl.int64)
+
+    x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    xhat = x * rstd[:, None]
+    if not GEMMA_CASTING:
+        # Llama: the normalised row is rounded to the input dtype before the weight multiplies it.
+        xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = xhat * w[None, :]
+
+    tl.store(y_ptr + rows64[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    dy_ptr, dy_row_stride, x_ptr, x_row_stride, w_ptr, rstd_ptr, dx_ptr, dx_row_stride, dw_partial_ptr,
+    n_rows, n_cols, offset,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+
+    # Persistent loop: this program takes tiles program, program + grid, ... so dw stays in registers.
+    for tile in range(program, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+
+        xhat = x * rstd[:, None]
+        g = dy * w[None, :]
+        dot = tl.sum(g * xhat, axis=1) / n_cols
+        dx = rstd[:, None] * (g - xhat * dot[:, None])
+        tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum(dy * xhat, axis=0)
+
+    tl.store(dw_partial_ptr + program * n_cols + cols, dw_acc, mask=col_mask)
+
+
+def rms_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward on a 2-D row view. Returns (y, rstd)."""
+    n_rows, n_cols = x.shape
+    out_dtype = x.dtype if casting_mode == "gemma" else torch.promote_types(x.dtype, weight.dtype)
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return y, rstd
+    launch = runtime.row_launch(n_rows, n_cols)
+    _rms_norm_forward_kernel[(launch.grid,)](
+        x, x.stride(0), weight, y, y.stride(0), rstd, n_rows, n_cols, eps, offset,
+        GEMMA_CASTING=casting_mode == "gemma", ROWS=launch.rows, BLOCK_N=launch.block_n,
+        num_warps=launch.num_warps,
+    )  # fmt: skip
+    return y, rstd
+
+
+def rms_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float, in_place: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward on 2-D row views. Returns (dx, dw)."""
+    n_rows, n_cols = x.shape
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    # Writing dx over dy saves a buffer, but only when nobody else reads dy (see the module docstring
+    # of liger_lab.nn.RMSNorm): it is an opt-in, never the default.
+    reuse = in_place and dy.dtype == x.dtype and dy.is_contiguous()
+    dx = dy if reuse else torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    launch = runtime.persistent_row_launch(n_rows, n_cols)
+    dw_partial = torch.empty((launch.grid, n_cols), dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return dx, torch.zeros_like(weight)
+    _rms_norm_backward_kernel[(launch.grid,)](
+        dy, dy.stride(0), x, x.stride(0), weight, rstd, dx, dx.stride(0), dw_partial, n_rows, n_cols, offset,
+        ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+    )  # fmt: skip
+    return dx, sum_partials(dw_partial, weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting_mode, in_place):
+        rows = as_rows(x)
+        y, rstd = rms_norm_forward(rows, weight, eps, offset, casting_mode)
+        ctx.save_for_backward(rows, weight, rstd)
+        ctx.offset, ctx.in_place, ctx.x_shape = offset, in_place, x.shape
+        return y.view(*x.shape[:-1], x.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(as_rows(dy), rows, weight, rstd, ctx.offset, ctx.in_place)
+        return dx.view(ctx.x_shape), dw, None, None, None, None
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    in_place_backward: bool = False,
+) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x`` with Hugging Face Llama (``offset=0``) or Gemma
+    (``offset=1.0, casting_mode="gemma"``) semantics.
+
+    ``in_place_backward=True`` writes the input gradient over the incoming output gradient, saving one
+    activation-sized buffer; use it only where the norm's output feeds a layer whose backward makes a
+    fresh gradient (a linear projection), never where the output is added to a residual.
+    """
+    check_float("x", x)
+    check_feature_vector("weight", weight, x)
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(f"casting_mode is {casting_mode!r}: expected one of {CASTING_MODES}")
+    if not eps >= 0:
+        raise ValueError(f"eps is {eps}: expected a non-negative number")
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, in_place_backward)

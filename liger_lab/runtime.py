@@ -1,0 +1,172 @@
+"""Where kernels run: the one module that knows GPU from Triton's interpreter.
+
+On a machine with CUDA, kernels compile for the GPU and take CUDA tensors. Without CUDA, this module
+sets ``TRITON_INTERPRET=1`` *before* Triton is first imported, so the very same ``@triton.jit``
+functions run (slowly) on CPU tensors through Triton's interpreter. Everything else in liger_lab asks
+this module instead of checking ``torch.cuda`` itself: the device to allocate on, how many programs
+to launch, how many warps, how to time a callable and how to read peak memory.
+
+Setting ``TRITON_INTERPRET=1`` yourself forces the interpreter even on a GPU machine (useful to debug a
+kernel with ``print``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+_T = TypeVar("_T")
+
+
+def _choose_interpreter() -> bool:
+    requested = os.environ.get("TRITON_INTERPRET")
+    if requested is not None:
+        return requested == "1"
+    if torch.cuda.is_available():
+        return False
+    if "triton" in sys.modules:
+        raise RuntimeError(
+            "liger_lab: this machine has no CUDA GPU, so Triton kernels must run in Triton's interpreter, "
+            "but Triton was imported before liger_lab without TRITON_INTERPRET=1 and can no longer switch. "
+            "Fix: restart the Python process (Jupyter: Kernel > Restart) and `import liger_lab` before "
+            "anything that imports triton, or set the variable first: "
+            "`import os; os.environ['TRITON_INTERPRET'] = '1'`."
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True
+
+
+INTERPRET: bool = _choose_interpreter()
+"""True when kernels run in Triton's interpreter on CPU tensors."""
+
+import triton  # noqa: E402  (must follow the TRITON_INTERPRET decision above)
+
+DEVICE: torch.device = torch.device("cpu") if INTERPRET else torch.device("cuda")
+"""The device liger_lab's kernels expect their tensors on."""
+
+BACKEND: str = "triton-interpreter (CPU)" if INTERPRET else "cuda"
+
+# The interpreter costs about a millisecond per program instance: keep CPU grids small and tiles big.
+_INTERPRETER_MAX_PROGRAMS = 64
+# Largest tile (elements) one program holds in registers on the GPU before spilling hurts.
+_GPU_MAX_TILE = 16384
+MAX_ROW_SIZE = 65536
+"""Largest row (hidden size) the row-wise kernels hold in one tile."""
+
+
+def pick(*, cpu: _T, gpu: _T) -> _T:
+    """Choose a value by where kernels run, e.g. a problem size: ``pick(cpu=256, gpu=16384)``."""
+    return cpu if INTERPRET else gpu
+
+
+def describe() -> str:
+    """One line naming where kernels run, for notebook headers and the CLI."""
+    if INTERPRET:
+        return f"Triton {triton.__version__} interpreter on CPU (no CUDA GPU): kernels are exact but slow"
+    name = torch.cuda.get_device_name()
+    return f"{name}, {sm_count()} SMs, Triton {triton.__version__}, torch {torch.__version__}"
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current GPU (a nominal 4 in the interpreter)."""
+    if INTERPRET:
+        return 4
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def check_device(**tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless every tensor lives where the kernels run."""
+    for name, tensor in tensors.items():
+        if INTERPRET and tensor.device.type != "cpu":
+            raise ValueError(
+                f"{name} is on {tensor.device}, but kernels run in Triton's interpreter here: expected a CPU tensor"
+            )
+        if not INTERPRET and tensor.device.type != "cuda":
+            raise ValueError(f"{name} is on {tensor.device}, but kernels run on the GPU here: expected a CUDA tensor")
+
+
+@dataclass(frozen=True)
+class RowLaunch:
+    """How a row-wise kernel tiles an (n_rows, n_cols) matrix: rows x block_n elements per program."""
+
+    block_n: int
+    rows: int
+    num_warps: int
+    grid: int
+
+
+def row_launch(n_rows: int, n_cols: int) -> RowLaunch:
+    """Tile for kernels where each program normalises whole rows (one program per tile of rows)."""
+    if n_cols > MAX_ROW_SIZE:
+        raise ValueError(f"rows of {n_cols} elements are too long: expected at most {MAX_ROW_SIZE}")
+    block_n = triton.next_power_of_2(max(n_cols, 1))
+    if INTERPRET:
+        rows = min(triton.next_power_of_2(triton.cdiv(n_rows, _INTERPRETER_MAX_PROGRAMS)), 64)
+        return RowLaunch(block_n, rows, 1, triton.cdiv(n_rows, rows))
+    # Several short rows per program keep enough bytes in flight; long rows get more warps instead.
+    rows = max(1, min(_GPU_MAX_TILE // 4 // block_n, 16))
+    num_warps = max(1, min(16, rows * block_n // 512))
+    return RowLaunch(block_n, rows, num_warps, triton.cdiv(n_rows, rows))
+
+
+def persistent_row_launch(n_rows: int, n_cols: int, programs_per_sm: int = 4) -> RowLaunch:
+    """Tile for persistent kernels: a fixed grid whose programs loop over row tiles (backward of norms)."""
+    tile = row_launch(n_rows, n_cols)
+    n_tiles = triton.cdiv(n_rows, tile.rows)
+    limit = _INTERPRETER_MAX_PROGRAMS if INTERPRET else sm_count() * programs_per_sm
+    return RowLaunch(tile.block_n, tile.rows, tile.num_warps, max(1, min(n_tiles, limit)))
+
+
+def elementwise_launch(n_elements: int) -> tuple[int, int, int]:
+    """(block, num_warps, grid) for a flat elementwise kernel."""
+    if INTERPRET:
+        block = max(1024, triton.next_power_of_2(triton.cdiv(n_elements, _INTERPRETER_MAX_PROGRAMS)))
+        return block, 1, triton.cdiv(n_elements, block)
+    block = 4096
+    return block, 8, triton.cdiv(n_elements, block)
+
+
+def synchronize() -> None:
+    if not INTERPRET:
+        torch.cuda.synchronize()
+
+
+def measure_ms(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time of ``fn()`` in milliseconds.
+
+    On the GPU: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls). In the interpreter
+    ``do_bench`` does not work, so this is a host wall clock over a few calls: it times Python and the
+    interpreter, not a kernel, and says nothing about GPU speed.
+    """
+    if not INTERPRET:
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    fn()
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def timer_label() -> str:
+    return "CUDA events, median (do_bench)" if not INTERPRET else "CPU wall clock (interpreter, not GPU speed)"
+
+
+def peak_memory_bytes(fn: Callable[[], object]) -> int | None:
+    """Bytes allocated by ``fn()`` at its peak, above what was allocated before it; None on CPU."""
+    if INTERPRET:
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
