@@ -1,0 +1,91 @@
+"""Exercise and test checks: compare a kernel with its float64 reference and print one clear line each.
+
+A line reads ``PASS rms_norm: grad x  rel L2 2.1e-08  max |err| 3.0e-07  (tol 1e-05)``. The error figures
+vary between machines; notebooks keep only the PASS/FAIL words and names under nbval (the figures are
+masked by ``tests/nbval_sanitize.cfg``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+"""Relative L2 error allowed against a float64 reference, by the dtype the kernel computed in."""
+
+
+def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖actual − expected‖ / ‖expected‖ in float64 (the error itself when the reference is zero)."""
+    diff = (actual.double() - expected.double()).norm().item()
+    scale = expected.double().norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def check_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float | None = None) -> bool:
+    """Print a PASS/FAIL line comparing ``actual`` with ``expected``; return whether it passed."""
+    tol = TOLERANCE.get(actual.dtype, 1e-5) if tol is None else tol
+    if actual.shape != expected.shape:
+        print(f"FAIL {name}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+        return False
+    finite = bool(torch.isfinite(actual).all())
+    rel = relative_l2_error(actual, expected)
+    max_abs = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    ok = finite and rel <= tol
+    note = "" if finite else "  (non-finite values)"
+    print(f"{'PASS' if ok else 'FAIL'} {name}  rel L2 {rel:.1e}  max |err| {max_abs:.1e}  (tol {tol:.0e}){note}")
+    return ok
+
+
+def _as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def check_against_reference(
+    name: str,
+    fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
+    reference: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
+    inputs: Sequence[object],
+    *,
+    input_names: Sequence[str] | None = None,
+    tol: float | None = None,
+) -> bool:
+    """Check ``fn(*inputs)`` and the gradient of every floating input against ``reference`` in float64.
+
+    Floating tensors in ``inputs`` are cloned (kernels may reuse their buffers) and given
+    ``requires_grad``; the reference gets float64 copies. Each output receives the same random upstream
+    gradient in both runs. Prints one line per output and per gradient; returns True when all pass.
+    """
+    names = list(input_names) if input_names is not None else [f"input {i}" for i in range(len(inputs))]
+
+    def prepare(dtype: torch.dtype | None) -> list[object]:
+        prepared = []
+        for value in inputs:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                value = value.detach().to(dtype or value.dtype).clone().requires_grad_()
+            prepared.append(value)
+        return prepared
+
+    ours, theirs = prepare(None), prepare(torch.float64)
+    outputs, expected = _as_tuple(fn(*ours)), _as_tuple(reference(*theirs))
+    upstream = [torch.randn_like(out) for out in outputs]
+    ok = True
+    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+        label = "output" if len(outputs) == 1 else f"output {i}"
+        ok &= check_close(f"{name}: {label}", out.detach(), ref.detach(), tol)
+    differentiable = [(n, a, b) for n, a, b in zip(names, ours, theirs) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if differentiable:
+        grads = torch.autograd.grad(outputs, [a for _, a, _ in differentiable], upstream, allow_unused=True)
+        ref_grads = torch.autograd.grad(
+            expected, [b for _, _, b in differentiable], [u.double() for u in upstream], allow_unused=True
+        )
+        for (input_name, a, _), grad, ref_grad in zip(differentiable, grads, ref_grads):
+            if ref_grad is None:
+                continue
+            if grad is None:
+                print(f"FAIL {name}: grad {input_name} is missing")
+                ok = False
+                continue
+            grad_tol = tol if tol is not None else TOLERANCE.get(a.dtype, 1e-5)
+            ok &= check_close(f"{name}: grad {input_name}", grad, ref_grad, grad_tol)
+    return bool(ok)

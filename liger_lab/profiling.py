@@ -1,0 +1,174 @@
+"""Measuring kernels honestly: time, peak memory, bytes moved, bandwidth fraction, and the plots.
+
+Every figure here is measured the same way for every implementation, in the same process:
+
+* time: the median of many calls (``triton.testing.do_bench`` on the GPU; on CPU a wall clock that
+  times the interpreter, labelled as such, never to be read as GPU speed);
+* peak memory: ``torch.cuda.max_memory_allocated`` during one forward+backward, above what was already
+  allocated (the inputs and the upstream gradient); not measurable on CPU;
+* bytes moved: the fewest bytes the op must read and write (each input once, each output once) — the
+  floor no kernel beats; achieved bandwidth is that count over the measured time, and the fraction is
+  against a copy measured on the same GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from liger_lab import runtime
+
+MIB = 2**20
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds of ``fn()`` (see :func:`liger_lab.runtime.measure_ms` for how)."""
+    return runtime.measure_ms(fn)
+
+
+def peak_memory_mib(fn: Callable[[], object]) -> float | None:
+    """Peak MiB that ``fn()`` allocates above what was allocated before it; None where not measurable."""
+    peak = runtime.peak_memory_bytes(fn)
+    return None if peak is None else peak / MIB
+
+
+def bytes_moved(n_elements: int, passes: float, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Minimum bytes of ``passes`` full passes over ``n_elements`` values of ``dtype``.
+
+    RMSNorm forward reads x and writes y: 2 passes; forward+backward adds x, dy read and dx written: 5.
+    """
+    return int(n_elements * passes * torch.empty((), dtype=dtype).element_size())
+
+
+def achieved_gbs(n_bytes: int, ms: float) -> float:
+    return n_bytes / (ms * 1e-3) / 1e9
+
+
+_copy_ceiling: dict[str, float] = {}
+
+
+def copy_bandwidth_gbs(n_bytes: int = 2**31) -> float | None:
+    """Device-to-device copy bandwidth (bytes read + written per second, in GB/s); None on CPU."""
+    if runtime.INTERPRET:
+        return None
+    if "gbs" not in _copy_ceiling:
+        src = torch.empty(n_bytes // 2, dtype=torch.uint8, device=runtime.DEVICE).random_()
+        dst = torch.empty_like(src)
+        _copy_ceiling["gbs"] = achieved_gbs(n_bytes, time_ms(lambda: dst.copy_(src)))
+    return _copy_ceiling["gbs"]
+
+
+def matmul_tflops(n: int = 8192) -> float | None:
+    """bf16 matrix-product rate of this GPU on random data (TFLOP/s); None on CPU."""
+    if runtime.INTERPRET:
+        return None
+    a = torch.randn(n, n, device=runtime.DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=runtime.DEVICE, dtype=torch.bfloat16)
+    return 2 * n**3 / (time_ms(lambda: a @ b) * 1e-3) / 1e12
+
+
+@dataclass
+class Result:
+    """One implementation of one op, measured."""
+
+    op: str
+    impl: str
+    fwd_ms: float
+    full_ms: float
+    peak_mib: float | None
+    fwd_gbs: float | None = None
+    full_gbs: float | None = None
+    full_tflops: float | None = None
+    bandwidth_fraction: float | None = None
+
+    def as_row(self) -> dict:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+
+
+def measure(
+    op: str,
+    impl: str,
+    fn: Callable[..., object],
+    make_inputs: Callable[[], Sequence[object]],
+    *,
+    fwd_bytes: int | None = None,
+    full_bytes: int | None = None,
+    full_flops: float | None = None,
+) -> Result:
+    """Time ``fn`` forward and forward+backward on fresh inputs, and its peak memory.
+
+    ``make_inputs()`` returns the positional arguments; tensors that require grad get gradients.
+    The upstream gradient is random (not ones) and allocated before the measurement starts, so peak
+    memory counts only what the implementation itself allocates.
+    """
+    inputs = list(make_inputs())
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    outputs = _tensors(fn(*inputs))
+    upstream = [torch.randn_like(o) for o in outputs]
+    del outputs
+
+    def forward():
+        return fn(*inputs)
+
+    def forward_backward():
+        torch.autograd.grad(_tensors(fn(*inputs)), leaves, upstream)
+
+    fwd_ms = time_ms(forward)
+    full_ms = time_ms(forward_backward)
+    peak = peak_memory_mib(forward_backward)
+    result = Result(op, impl, fwd_ms, full_ms, peak)
+    if fwd_bytes is not None:
+        result.fwd_gbs = achieved_gbs(fwd_bytes, fwd_ms)
+    if full_bytes is not None:
+        result.full_gbs = achieved_gbs(full_bytes, full_ms)
+        ceiling = copy_bandwidth_gbs()
+        if ceiling:
+            result.bandwidth_fraction = result.full_gbs / ceiling
+    if full_flops is not None:
+        result.full_tflops = full_flops / (full_ms * 1e-3) / 1e12
+    return result
+
+
+def print_table(results: Sequence[Result]) -> None:
+    """A fixed-width table of results, fastest forward+backward first."""
+    print(f"timer: {runtime.timer_label()}")
+    print(f"{'op':<14}{'impl':<15}{'fwd ms':>10}{'fwd+bwd ms':>12}{'peak MiB':>10}{'GB/s':>8}{'of copy':>9}")
+    for r in sorted(results, key=lambda r: (r.op, r.full_ms)):
+        peak = "n/a" if r.peak_mib is None else f"{r.peak_mib:.0f}"
+        gbs = "" if r.full_gbs is None else f"{r.full_gbs:.0f}"
+        frac = "" if r.bandwidth_fraction is None else f"{r.bandwidth_fraction:.0%}"
+        print(f"{r.op:<14}{r.impl:<15}{r.fwd_ms:>10.3f}{r.full_ms:>12.3f}{peak:>10}{gbs:>8}{frac:>9}")
+
+
+def plot_results(results: Sequence[Result], title: str = "", floor_ms: float | None = None):
+    """Bar charts of forward and forward+backward time and of peak memory, one bar per implementation."""
+    import matplotlib.pyplot as plt
+
+    impls = [r.impl for r in results]
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 3.6))
+    xs = range(len(results))
+    width = 0.38
+    ax_time.bar([x - width / 2 for x in xs], [r.fwd_ms for r in results], width, label="forward")
+    ax_time.bar([x + width / 2 for x in xs], [r.full_ms for r in results], width, label="forward+backward")
+    if floor_ms is not None:
+        ax_time.axhline(floor_ms, color="k", ls="--", lw=1, label="bytes / copy bandwidth")
+    ax_time.set_xticks(list(xs), impls, rotation=15)
+    ax_time.set_ylabel("ms" if not runtime.INTERPRET else "ms (CPU interpreter wall clock)")
+    ax_time.legend(fontsize=8)
+    ax_time.set_title("time (lower is better)")
+    peaks = [r.peak_mib if r.peak_mib is not None else math.nan for r in results]
+    ax_mem.bar(list(xs), peaks, color="tab:green")
+    ax_mem.set_xticks(list(xs), impls, rotation=15)
+    ax_mem.set_ylabel("MiB above inputs")
+    ax_mem.set_title("peak memory, forward+backward" + (" (GPU only)" if runtime.INTERPRET else ""))
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

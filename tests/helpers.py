@@ -1,0 +1,25 @@
+"""Shared test inputs: fresh random tensors where the kernels run, odd layouts on request."""
+
+from __future__ import annotations
+
+import torch
+
+from liger_lab import runtime
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(*shape, device=runtime.DEVICE)).to(dtype)
+
+
+def non_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """Same values, but every other column of a twice-as-wide buffer (stride(-1) == 2)."""
+    wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype, device=x.device)
+    wide[..., ::2] = x
+    return wide[..., ::2]
+
+
+def row_strided(x: torch.Tensor) -> torch.Tensor:
+    """Same values, rows padded (unit stride along the row, row stride larger than the row)."""
+    wide = torch.zeros(*x.shape[:-1], x.shape[-1] + 7, dtype=x.dtype, device=x.device)
+    wide[..., : x.shape[-1]] = x
+    return wide[..., : x.shape[-1]]
