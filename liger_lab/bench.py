@@ -35,6 +35,7 @@ class OpBench:
     full_passes: float
     impls: dict[str, Callable[[], Callable[..., object]]] = field(default_factory=dict)
     elements: Callable[[tuple[int, ...]], int] = lambda shape: _prod(shape)  # noqa: E731
+    flops: Callable[[tuple[int, ...]], float] | None = None
 
     def available(self) -> dict[str, Callable[..., object]]:
         """Implementations that run here, built on demand (torch.compile only on the GPU)."""
@@ -43,6 +44,8 @@ class OpBench:
             if impl == "torch_compile" and runtime.INTERPRET:
                 continue
             if impl == "liger" and (runtime.INTERPRET or not liger_kernel_installed()):
+                continue
+            if impl == "cce" and (runtime.INTERPRET or importlib.util.find_spec("cut_cross_entropy") is None):
                 continue
             made[impl] = build()
         return made
@@ -59,14 +62,19 @@ class OpBench:
                 profiling.measure(
                     self.name, impl, fn, lambda: self.make_inputs(shape, dtype),
                     fwd_bytes=profiling.bytes_moved(n, self.fwd_passes, dtype),
-                    full_bytes=profiling.bytes_moved(n, self.full_passes, dtype),
+                    full_bytes=profiling.bytes_moved(n, self.full_passes, dtype) if self.full_passes else None,
+                    full_flops=self.flops(shape) if self.flops else None,
                 )  # fmt: skip
             )
             torch.cuda.empty_cache() if not runtime.INTERPRET else None
         return results
 
     def floor_ms(self, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.bfloat16) -> float | None:
-        """Forward+backward time if the minimum bytes moved at the measured copy bandwidth."""
+        """Forward+backward time at the measured ceiling: minimum bytes at copy bandwidth, or FLOPs at the
+        bf16 matmul rate for matmul-bound ops."""
+        if self.flops is not None:
+            rate = profiling.matmul_tflops()
+            return None if rate is None else self.flops(shape or self.shape) / (rate * 1e12) * 1e3
         ceiling = profiling.copy_bandwidth_gbs()
         if ceiling is None:
             return None
@@ -89,23 +97,102 @@ def _norm_inputs(shape, dtype):
     return [_randn(shape, dtype), (1 + 0.1 * torch.randn(shape[-1], device=runtime.DEVICE)).to(dtype).requires_grad_()]
 
 
-def _liger_rms_norm():
-    from liger_kernel.transformers.functional import liger_rms_norm
+def _rope_inputs(shape, dtype):
+    batch, q_heads, k_heads, seq, head_dim = shape
+    q = _randn((batch, q_heads, seq, head_dim), dtype)
+    k = _randn((batch, k_heads, seq, head_dim), dtype)
+    angles = torch.arange(seq, device=runtime.DEVICE)[:, None] * torch.rand(head_dim // 2, device=runtime.DEVICE)
+    angles = torch.cat([angles, angles], dim=-1)[None]
+    return [q, k, angles.cos().to(dtype), angles.sin().to(dtype)]
 
-    return lambda x, w: liger_rms_norm(x, w, 1e-6)
+
+def _glu_inputs(shape, dtype):
+    return [_randn(shape, dtype), _randn(shape, dtype)]
+
+
+def _ce_inputs(shape, dtype):
+    n_tokens, vocab = shape
+    return [_randn(shape, dtype), torch.randint(0, vocab, (n_tokens,), device=runtime.DEVICE)]
+
+
+def _flce_inputs(shape, dtype):
+    n_tokens, hidden, vocab = shape
+    return [
+        _randn((n_tokens, hidden), dtype),
+        (torch.randn(vocab, hidden, device=runtime.DEVICE) / hidden**0.5).to(dtype).requires_grad_(),
+        torch.randint(0, vocab, (n_tokens,), device=runtime.DEVICE),
+    ]
+
+
+def _liger(name: str, **kwargs):
+    """A Liger-Kernel functional op, imported only when asked for."""
+
+    def build():
+        from liger_kernel.transformers import functional
+
+        fn = getattr(functional, name)
+        return lambda *args: fn(*args, **kwargs)
+
+    return build
+
+
+def _cut_cross_entropy():
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy
+
+
+def _peers(op: str, ours: Callable[..., object], liger: Callable[[], Callable[..., object]] | None):
+    impls = {"liger_lab": lambda: ours}
+    if liger is not None:
+        impls["liger"] = liger
+    specification = getattr(reference, op)
+    impls["torch_compile"] = lambda: torch.compile(specification)
+    impls["eager"] = lambda: specification
+    return impls
 
 
 OPS: dict[str, OpBench] = {
     "rms_norm": OpBench(
         "rms_norm", (16384, 4096), _norm_inputs, fwd_passes=2, full_passes=5,
+        impls=_peers("rms_norm", lambda x, w: liger_lab.rms_norm(x, w, 1e-6, in_place_backward=True),
+                     _liger("liger_rms_norm", eps=1e-6)),
+    ),
+    "layer_norm": OpBench(
+        "layer_norm", (16384, 4096),
+        lambda shape, dtype: _norm_inputs(shape, dtype) + [_randn(shape[-1], dtype)],
+        fwd_passes=2, full_passes=5,
+        impls=_peers("layer_norm", lambda x, w, b: liger_lab.layer_norm(x, w, b, 1e-5),
+                     _liger("liger_layer_norm", eps=1e-5)),
+    ),
+    "rope": OpBench(
+        "rope", (4, 32, 8, 4096, 128), _rope_inputs, fwd_passes=2, full_passes=4,
+        impls=_peers("rope", lambda q, k, cos, sin: liger_lab.rope(q, k, cos, sin), _liger("liger_rope")),
+        elements=lambda s: s[0] * (s[1] + s[2]) * s[3] * s[4],
+    ),
+    "swiglu": OpBench(
+        "swiglu", (16384, 14336), _glu_inputs, fwd_passes=3, full_passes=8,
+        impls=_peers("swiglu", lambda g, u: liger_lab.swiglu(g, u), _liger("liger_swiglu")),
+    ),
+    "geglu": OpBench(
+        "geglu", (16384, 14336), _glu_inputs, fwd_passes=3, full_passes=8,
+        impls=_peers("geglu", lambda g, u: liger_lab.geglu(g, u), _liger("liger_geglu")),
+    ),
+    "cross_entropy": OpBench(
+        "cross_entropy", (8192, 128256), _ce_inputs, fwd_passes=1, full_passes=3,
+        impls=_peers("cross_entropy", lambda z, t: liger_lab.cross_entropy(z, t), _liger("liger_cross_entropy")),
+    ),
+    "flce": OpBench(
+        "flce", (8192, 4096, 128256), _flce_inputs, fwd_passes=0, full_passes=0,
         impls={
-            "liger_lab": lambda: lambda x, w: liger_lab.rms_norm(x, w, 1e-6, in_place_backward=True),
-            "liger": _liger_rms_norm,
-            "torch_compile": lambda: torch.compile(reference.rms_norm),
-            "eager": lambda: reference.rms_norm,
+            **_peers("fused_linear_cross_entropy", lambda h, w, t: liger_lab.fused_linear_cross_entropy(h, w, t),
+                     _liger("liger_fused_linear_cross_entropy")),
+            "cce": _cut_cross_entropy,
         },
-    ),  # fmt: skip
-}
+        elements=lambda s: s[0] * s[2],
+        flops=lambda s: 6.0 * s[0] * s[1] * s[2],
+    ),
+}  # fmt: skip
 
 
 def small_shape(op: OpBench) -> tuple[int, ...]:

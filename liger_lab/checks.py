@@ -73,13 +73,15 @@ def check_against_reference(
     for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
         label = "output" if len(outputs) == 1 else f"output {i}"
         ok &= check_close(f"{name}: {label}", out.detach(), ref.detach(), tol)
-    differentiable = [(n, a, b) for n, a, b in zip(names, ours, theirs) if isinstance(a, torch.Tensor) and a.requires_grad]
+    differentiable = [
+        (n, a, b) for n, a, b in zip(names, ours, theirs, strict=True) if isinstance(a, torch.Tensor) and a.requires_grad
+    ]
     if differentiable:
         grads = torch.autograd.grad(outputs, [a for _, a, _ in differentiable], upstream, allow_unused=True)
         ref_grads = torch.autograd.grad(
             expected, [b for _, _, b in differentiable], [u.double() for u in upstream], allow_unused=True
         )
-        for (input_name, a, _), grad, ref_grad in zip(differentiable, grads, ref_grads):
+        for (input_name, a, _), grad, ref_grad in zip(differentiable, grads, ref_grads, strict=True):
             if ref_grad is None:
                 continue
             if grad is None:
