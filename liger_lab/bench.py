@@ -60,7 +60,10 @@ class OpBench:
                 continue
             results.append(
                 profiling.measure(
-                    self.name, impl, fn, lambda: self.make_inputs(shape, dtype),
+                    self.name,
+                    impl,
+                    fn,
+                    lambda: self.make_inputs(shape, dtype),
                     fwd_bytes=profiling.bytes_moved(n, self.fwd_passes, dtype),
                     full_bytes=profiling.bytes_moved(n, self.full_passes, dtype) if self.full_passes else None,
                     full_flops=self.flops(shape) if self.flops else None,

@@ -74,7 +74,9 @@ def check_against_reference(
         label = "output" if len(outputs) == 1 else f"output {i}"
         ok &= check_close(f"{name}: {label}", out.detach(), ref.detach(), tol)
     differentiable = [
-        (n, a, b) for n, a, b in zip(names, ours, theirs, strict=True) if isinstance(a, torch.Tensor) and a.requires_grad
+        (n, a, b)
+        for n, a, b in zip(names, ours, theirs, strict=True)
+        if isinstance(a, torch.Tensor) and a.requires_grad
     ]
     if differentiable:
         grads = torch.autograd.grad(outputs, [a for _, a, _ in differentiable], upstream, allow_unused=True)
