@@ -80,5 +80,13 @@ def out_of_date(solutions: Path = Path("solutions"), chapters: Path = Path("chap
 
 
 if __name__ == "__main__":
-    for path in generate():
-        print(f"wrote {path}")
+    import sys
+
+    if "--check" in sys.argv:
+        stale = out_of_date()
+        if stale:
+            sys.exit(f"chapters/ is out of date for {', '.join(stale)}: run `python -m liger_lab.chapters`")
+        print("chapters/ is in sync with solutions/")
+    else:
+        for path in generate():
+            print(f"wrote {path}")

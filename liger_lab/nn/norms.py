@@ -1,8 +1,4 @@
-"""``torch.nn`` modules backed by liger_lab's kernels, drop-ins for their Hugging Face counterparts.
-
-Each keeps the parameter names, shapes and defaults of the module it replaces, so a state dict
-loads either way.
-"""
+"""Normalisation modules: drop-ins for Hugging Face's RMSNorm classes and ``torch.nn.LayerNorm``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,9 @@
+"""``torch.nn`` modules backed by liger_lab's kernels, drop-ins for their Hugging Face counterparts.
+
+Each keeps the parameter names, shapes and defaults of the module it replaces, so a state dict
+loads either way.
+"""
+
+from liger_lab.nn.norms import RMSNorm
+
+__all__ = ["RMSNorm"]
