@@ -1,30 +1,38 @@
-# A CPU build of torch unless one is installed already (GPU users: install CUDA torch first, or use
-# environment.yml); triton runs kernels in its interpreter when there is no GPU.
+# Two entry points (see README): `make workbook` and `make test`. Both create .venv and install what they
+# need. torch, when .venv has none yet: with an NVIDIA driver (nvidia-smi answers), PyPI's default CUDA
+# build; otherwise the CPU build from PyTorch's CPU index (PyPI as a fallback). Without a GPU, Triton runs
+# every kernel in its interpreter.
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PYTEST_ARGS ?=
 
-.PHONY: dev test lint notebooks chapters workbook
+.PHONY: torch test lint chapters workbook
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 
-dev: $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch --index-url $(TORCH_CPU_INDEX) || $(BIN)/pip install -q torch
-	$(BIN)/pip install -q -e ".[dev,notebooks]"
+torch: $(BIN)/python
+	@$(BIN)/python -c "import torch" 2>/dev/null \
+		|| { nvidia-smi >/dev/null 2>&1 && $(BIN)/pip install torch; } \
+		|| $(BIN)/pip install torch --index-url $(TORCH_CPU_INDEX) \
+		|| $(BIN)/pip install torch
 
-lint:
-	$(BIN)/ruff check liger_lab tests benchmarks solutions
+test: torch
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/ruff check .
 	$(BIN)/ruff format --check liger_lab tests benchmarks
-
-test: dev lint
 	$(BIN)/python -m liger_lab.chapters --check
-	$(BIN)/pytest -q tests solutions --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+	$(BIN)/pytest -q -n 2 tests solutions --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
+
+lint: torch
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check liger_lab tests benchmarks
 
 chapters:
 	$(BIN)/python -m liger_lab.chapters
 
-workbook: dev
+workbook: torch
+	$(BIN)/pip install -q -e ".[notebooks]"
 	$(BIN)/jupyter lab chapters/
