@@ -1,0 +1,73 @@
+"""Regenerate the benchmark table in README.md from committed result JSON.
+
+``python benchmarks/readme_table.py benchmarks/results/h200-ops.json [--e2e FILE]`` rewrites the part of
+README.md between ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+IMPLS = ["liger_lab", "liger", "torch_compile", "eager", "cce"]
+HEADERS = {"liger_lab": "liger_lab", "liger": "Liger-Kernel", "torch_compile": "torch.compile", "eager": "eager",
+           "cce": "cut-cross-entropy"}  # fmt: skip
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return "–"
+    peak = row.get("peak_mib")
+    return f"{row['full_ms']:.3f} ms" + (f", {peak:.0f} MiB" if peak is not None else "")
+
+
+def ops_table(rows: list[dict]) -> str:
+    ops = list(dict.fromkeys(r["op"] for r in rows if "full_ms" in r))
+    impls = [i for i in IMPLS if any(r.get("impl") == i for r in rows)]
+    lines = ["| op (fwd+bwd) | " + " | ".join(HEADERS[i] for i in impls) + " | liger_lab vs Liger |"]
+    lines.append("|---" * (len(impls) + 2) + "|")
+    for op in ops:
+        by_impl = {r["impl"]: r for r in rows if r["op"] == op and "full_ms" in r}
+        ratio = ""
+        if "liger_lab" in by_impl and "liger" in by_impl:
+            ratio = f"{by_impl['liger_lab']['full_ms'] / by_impl['liger']['full_ms']:.2f}x time"
+        lines.append(f"| {op} | " + " | ".join(_cell(by_impl.get(i)) for i in impls) + f" | {ratio} |")
+    first = rows[0]
+    versions = ", ".join(f"{k} {first[k]}" for k in ("torch", "triton", "liger_kernel") if k in first)
+    lines.append("")
+    lines.append(f"{first.get('gpu', '?')}; {versions}; median of `do_bench`; peak memory above the inputs.")
+    return "\n".join(lines)
+
+
+def e2e_table(rows: list[dict]) -> str:
+    lines = ["| impl | batch x seq | tokens/s | peak GiB |", "|---|---|---|---|"]
+    for r in rows:
+        shape = f"{r.get('batch')} x {r.get('seq')}"
+        if r.get("oom"):
+            lines.append(f"| {r['impl']} | {shape} | out of memory | – |")
+        else:
+            lines.append(f"| {r['impl']} | {shape} | {r['tokens_per_s']:,.0f} | {r['peak_gib']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("ops_json", type=Path)
+    parser.add_argument("--e2e", type=Path, default=None)
+    args = parser.parse_args()
+    text = ops_table(json.loads(args.ops_json.read_text()))
+    text += f"\n\nRaw rows: `{args.ops_json.relative_to(ROOT) if args.ops_json.is_absolute() else args.ops_json}`."
+    if args.e2e:
+        text += "\n\nEnd to end (Llama-style 1.5B, AdamW, bf16):\n\n" + e2e_table(json.loads(args.e2e.read_text()))
+    readme = ROOT / "README.md"
+    content = readme.read_text()
+    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{text}\n{end}{tail}")
+
+
+if __name__ == "__main__":
+    main()
