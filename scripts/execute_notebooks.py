@@ -21,7 +21,8 @@ def main(paths: list[str]) -> int:
         notebook = nbformat.read(path, as_version=4)
         start = time.perf_counter()
         try:
-            client = NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": "."}})
+            folder = {"metadata": {"path": str(path.parent)}}
+            client = NotebookClient(notebook, timeout=900, kernel_name="python3", resources=folder)
             client.execute()
         except Exception as error:  # report and go on with the next notebook
             print(f"FAILED {path}: {type(error).__name__}: {str(error)[-2000:]}", flush=True)
