@@ -52,7 +52,7 @@ def check_against_reference(
 ) -> bool:
     """Check ``fn(*inputs)`` and the gradient of every floating input against ``reference`` in float64.
 
-    Floating tensors in ``inputs`` are cloned (kernels may reuse their buffers) and given
+    Floating tensors in ``inputs`` are copied with their strides (kernels may reuse their buffers) and given
     ``requires_grad``; the reference gets float64 copies. Each output receives the same random upstream
     gradient in both runs. Prints one line per output and per gradient; returns True when all pass.
     """
@@ -62,7 +62,9 @@ def check_against_reference(
         prepared = []
         for value in inputs:
             if isinstance(value, torch.Tensor) and value.is_floating_point():
-                value = value.detach().to(dtype or value.dtype).clone().requires_grad_()
+                # Keep the caller's strides: a strided view must reach the kernel as a strided view.
+                copy = torch.empty_strided(value.shape, value.stride(), dtype=dtype or value.dtype, device=value.device)
+                value = copy.copy_(value.detach()).requires_grad_()
             prepared.append(value)
         return prepared
 

@@ -40,6 +40,10 @@ def test_non_contiguous_input(layout):
     assert _check(x, randn(x.shape[-1]))
 
 
+def test_strided_weight():
+    assert _check(randn(6, 40), non_contiguous(randn(40)))
+
+
 def test_mixed_precision_llama_promotes_like_hugging_face():
     x, w = randn(4, 64, dtype=torch.float16), randn(64)
     y = liger_lab.rms_norm(x, w)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
+from liger_lab.ops.layer_norm import layer_norm
 from liger_lab.ops.rms_norm import rms_norm
 
 
@@ -43,3 +46,45 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}, casting={self.casting_mode}"
+
+
+class LayerNorm(nn.Module):
+    """Drop-in for ``torch.nn.LayerNorm`` over the last dimension, with a learnable weight and bias.
+
+    Same constructor, attributes (``normalized_shape``, ``eps``, ``elementwise_affine``, ``weight``,
+    ``bias``) and state dict as PyTorch's module, so either loads the other's weights. The kernel
+    normalises one dimension and needs both parameters: a longer ``normalized_shape``,
+    ``elementwise_affine=False`` or ``bias=False`` raise ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if len(shape) != 1:
+            raise ValueError(f"normalized_shape is {shape}: expected one dimension (the hidden size)")
+        if not (elementwise_affine and bias):
+            raise ValueError("expected elementwise_affine=True and bias=True: the kernel applies a weight and a bias")
+        self.normalized_shape = shape
+        self.eps = eps
+        self.elementwise_affine = True
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return layer_norm(input, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, bias=True"

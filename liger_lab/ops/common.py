@@ -46,7 +46,7 @@ def check_feature_vector(name: str, vector: torch.Tensor, x: torch.Tensor) -> No
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View ``x`` as (rows, last dim) with unit stride along the row; copies only when it must."""
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # not -1: that is ambiguous for a last dim of 0
     return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
 
 

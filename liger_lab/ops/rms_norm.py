@@ -133,7 +133,7 @@ def rms_norm_backward(
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting_mode, in_place):
-        rows = as_rows(x)
+        rows, weight = as_rows(x), weight.contiguous()
         y, rstd = rms_norm_forward(rows, weight, eps, offset, casting_mode)
         ctx.save_for_backward(rows, weight, rstd)
         ctx.offset, ctx.in_place, ctx.x_shape = offset, in_place, x.shape

@@ -1,0 +1,176 @@
+r"""LayerNorm, fused forward and backward.
+
+For one row :math:`x \in \mathbb{R}^n` with weight :math:`w` and bias :math:`b`::
+
+    mu   = mean(x)                              # two fp32 statistics per row,
+    r    = 1 / sqrt(mean((x - mu)**2) + eps)    # saved for the backward
+    xhat = (x - mu) * r
+    y    = xhat * w + b
+
+Backward, with g = dy * w (derivation in solutions/02_layernorm.ipynb)::
+
+    dx = r * (g - mean(g) - xhat * mean(g * xhat))
+    dw = sum over rows of dy * xhat
+    db = sum over rows of dy
+
+Same semantics as ``torch.nn.functional.layer_norm(x, (n,), w, b, eps)``: the math is fp32, the output
+has x's dtype, and x, w and b share one dtype (as PyTorch requires on the GPU).
+
+Bytes per element in bf16: the forward reads x and writes y (4 bytes; the 8 bytes of statistics per
+row are noise). The backward reads x and dy and writes dx (6 bytes), recomputing xhat from the saved
+statistics instead of storing it. dw and db need sums over *all rows*: each program of a persistent grid
+keeps both running fp32 sums in registers over the rows it handles and writes them once at the end, and
+one small torch sum over programs finishes them (no second pass over x and dy, no atomics). PyTorch's
+native kernels read x and dy twice in the backward (once for dx, once for dw and db): 14 bytes, not 10.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_lab import runtime
+from liger_lab.ops.common import as_rows, check_feature_vector, check_float, check_same_dtype, sum_partials
+
+
+@triton.jit
+def _layer_norm_forward_kernel(
+    x_ptr, x_row_stride, w_ptr, b_ptr, y_ptr, y_row_stride, mean_ptr, rstd_ptr,
+    n_rows, n_cols, eps,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+
+    x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / n_cols
+    # The row is already in registers, so centring before squaring costs a reduction, not a pass over
+    # memory; mean(x**2) - mean**2 would cancel catastrophically when |mean| >> std. The padding must be
+    # zeroed again after centring, or it would add mean**2 per padded column.
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+    y = xc * rstd[:, None] * w[None, :] + b[None, :]
+
+    tl.store(y_ptr + rows64 * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _layer_norm_backward_kernel(
+    dy_ptr, dy_row_stride, x_ptr, x_row_stride, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dx_row_stride, partial_ptr,
+    n_rows, n_cols,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+
+    # Persistent loop: this program takes tiles program, program + grid, ... so dw and db stay in registers.
+    for tile in range(program, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+
+        # Padding has dy == 0 (so g == 0): it drops out of every sum below without a tl.where.
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        g = dy * w[None, :]
+        mean_g = tl.sum(g, axis=1) / n_cols
+        mean_gx = tl.sum(g * xhat, axis=1) / n_cols
+        dx = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
+        tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum(dy * xhat, axis=0)
+        db_acc += tl.sum(dy, axis=0)
+
+    # One row of partials per program: dw in the first n_cols columns, db in the next n_cols.
+    partial_row = partial_ptr + program.to(tl.int64) * 2 * n_cols
+    tl.store(partial_row + cols, dw_acc, mask=col_mask)
+    tl.store(partial_row + n_cols + cols, db_acc, mask=col_mask)
+
+
+def layer_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward on a 2-D row view. Returns (y, mean, rstd)."""
+    n_rows, n_cols = x.shape
+    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if y.numel() == 0:
+        return y, mean, rstd
+    launch = runtime.row_launch(n_rows, n_cols)
+    _layer_norm_forward_kernel[(launch.grid,)](
+        x, x.stride(0), weight, bias, y, y.stride(0), mean, rstd, n_rows, n_cols, eps,
+        ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def layer_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward on 2-D row views. Returns (dx, dw, db)."""
+    n_rows, n_cols = x.shape
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if dx.numel() == 0:
+        return dx, torch.zeros_like(weight), torch.zeros_like(weight)
+    launch = runtime.persistent_row_launch(n_rows, n_cols)
+    partials = torch.empty((launch.grid, 2 * n_cols), dtype=torch.float32, device=x.device)
+    _layer_norm_backward_kernel[(launch.grid,)](
+        dy, dy.stride(0), x, x.stride(0), weight, mean, rstd, dx, dx.stride(0), partials, n_rows, n_cols,
+        ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+    )  # fmt: skip
+    # One reduction over programs finishes dw and db together.
+    dw, db = sum_partials(partials, weight.dtype).view(2, n_cols)
+    return dx, dw, db
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        rows = as_rows(x)
+        y, mean, rstd = layer_norm_forward(rows, weight, bias, eps)
+        # The bias is not needed for the gradients: its own gradient is the column sum of dy.
+        ctx.save_for_backward(rows, weight, mean, rstd)
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = layer_norm_backward(as_rows(dy), rows, weight, mean, rstd)
+        return dx.view(ctx.x_shape), dw, db, None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the last dimension of ``x``: ``torch.nn.functional.layer_norm(x, (n,), weight, bias, eps)``.
+
+    ``weight`` and ``bias`` are 1-D of ``x``'s last dimension and share ``x``'s dtype (fp32, fp16 or bf16);
+    the output has that dtype too.
+    """
+    check_float("x", x)
+    check_feature_vector("weight", weight, x)
+    check_feature_vector("bias", bias, x)
+    # PyTorch on CUDA reads the parameters with x's element type (a mismatch is a RuntimeError there; on CPU
+    # it also takes fp32 parameters with a half x). One rule on every device: one dtype.
+    check_same_dtype(x=x, weight=weight, bias=bias)
+    if not eps >= 0:
+        raise ValueError(f"eps is {eps}: expected a non-negative number")
+    # The kernels read the parameters with unit stride; a strided view costs a copy of one row here.
+    return LayerNormFunction.apply(x, weight.contiguous(), bias.contiguous(), float(eps))
