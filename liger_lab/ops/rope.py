@@ -1,0 +1,316 @@
+r"""Rotary position embedding (RoPE), Hugging Face ``rotate_half`` convention, q and k in one launch.
+
+For one head vector :math:`x \in \mathbb{R}^D` at position t, split into halves ``x1 = x[:D/2]``,
+``x2 = x[D/2:]`` (and cos, sin likewise into c1, c2, s1, s2)::
+
+    y1 = x1 * c1 - x2 * s1
+    y2 = x2 * c2 + x1 * s2          # i.e. y = x * cos + rotate_half(x) * sin
+
+Each pair (x1[i], x2[i]) is a 2x2 linear map ``[[c1, -s1], [s2, c2]]``; the backward applies its transpose
+``[[c1, s2], [-s1, c2]]`` (derivation in solutions/03_rope.ipynb)::
+
+    dx1 = dy1 * c1 + dy2 * s2
+    dx2 = dy2 * c2 - dy1 * s1
+
+which is the forward with (s1, s2) replaced by (-s2, -s1): with Hugging Face's cos/sin (equal halves) it is
+the rotation by -angle. One kernel serves both directions.
+
+Bytes: every q/k element is read once and written once (forward 4 bytes per element in bf16, forward +
+backward 8). cos and sin, shared by all heads of a position, are loaded once per program and kept in
+registers while the program walks over the q heads and then the k heads of its positions, so their
+traffic is a small fraction of the q/k traffic. q and k are read through their strides: Hugging Face hands
+them over as transposed views ``(B, T, H, D) -> (B, H, T, D)``, and copying them to contiguous memory first
+would double the bytes. Outputs keep the memory layout of their inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_lab import reference, runtime
+from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape
+
+# Elements of one half-tile (heads x positions x D/2) per loop step on the GPU: two 8 KiB bf16 loads per
+# step keep enough bytes in flight per SM without spilling registers.
+_GPU_STEP_ELEMENTS = 4096
+_GPU_HEADS_PER_STEP = 4
+_CPU_STEP_ELEMENTS = 65536
+_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, x_head_stride, x_seq_stride, x_dim_stride,
+    y_ptr, y_head_stride, y_seq_stride, y_dim_stride,
+    head_start, head_end, pos, pos_mask, cols, col_mask, c1, c2, s1, s2,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Rotate heads [head_start, head_end) of one batch element at positions ``pos``, BLOCK_H heads a step.
+
+    x_ptr and y_ptr already point at the batch element; c1, c2, s1, s2 are fp32 (1, BLOCK_T, BLOCK_D).
+    """
+    x_pos = pos[None, :, None] * x_seq_stride + cols[None, None, :] * x_dim_stride
+    y_pos = pos[None, :, None] * y_seq_stride + cols[None, None, :] * y_dim_stride
+    tile_mask = pos_mask[None, :, None] & col_mask[None, None, :]
+    for first in range(head_start, head_end, BLOCK_H):
+        heads = first + tl.arange(0, BLOCK_H)
+        mask = (heads < head_end)[:, None, None] & tile_mask
+        heads64 = heads.to(tl.int64)[:, None, None]
+        x_lo = x_ptr + heads64 * x_head_stride + x_pos
+        y_lo = y_ptr + heads64 * y_head_stride + y_pos
+        x1 = tl.load(x_lo, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_lo + HALF * x_dim_stride, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_lo, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_lo + HALF * y_dim_stride, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, q_batch_stride, q_head_stride, q_seq_stride, q_dim_stride,
+    k_ptr, k_batch_stride, k_head_stride, k_seq_stride, k_dim_stride,
+    qo_ptr, qo_batch_stride, qo_head_stride, qo_seq_stride, qo_dim_stride,
+    ko_ptr, ko_batch_stride, ko_head_stride, ko_seq_stride, ko_dim_stride,
+    cos_ptr, cos_batch_stride, cos_seq_stride, cos_dim_stride,
+    sin_ptr, sin_batch_stride, sin_seq_stride, sin_dim_stride,
+    seq_len, n_q_heads, n_k_heads, q_heads_per_group, k_heads_per_group, n_pos_tiles,
+    HALF: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # Program (batch element, tile of BLOCK_T positions) x (group of heads); one group unless B*T is small.
+    tile = tl.program_id(0)
+    group = tl.program_id(1)
+    batch = (tile // n_pos_tiles).to(tl.int64)
+    pos = (tile % n_pos_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+    pos_mask = pos < seq_len
+    pos = pos.to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < HALF
+
+    # cos and sin of these positions: loaded once, reused for every q and k head below.
+    cs_mask = pos_mask[:, None] & col_mask[None, :]
+    cos_lo = cos_ptr + batch * cos_batch_stride + pos[:, None] * cos_seq_stride + cols[None, :] * cos_dim_stride
+    sin_lo = sin_ptr + batch * sin_batch_stride + pos[:, None] * sin_seq_stride + cols[None, :] * sin_dim_stride
+    c1 = tl.load(cos_lo, mask=cs_mask, other=0.0).to(tl.float32)[None, :, :]
+    c2 = tl.load(cos_lo + HALF * cos_dim_stride, mask=cs_mask, other=0.0).to(tl.float32)[None, :, :]
+    s1 = tl.load(sin_lo, mask=cs_mask, other=0.0).to(tl.float32)[None, :, :]
+    s2 = tl.load(sin_lo + HALF * sin_dim_stride, mask=cs_mask, other=0.0).to(tl.float32)[None, :, :]
+    if BACKWARD:
+        # The transpose of [[c1, -s1], [s2, c2]] is [[c1, s2], [-s1, c2]]: the forward with (-s2, -s1).
+        s1, s2 = -s2, -s1
+
+    q_start = group * q_heads_per_group
+    _rotate_heads(
+        q_ptr + batch * q_batch_stride, q_head_stride, q_seq_stride, q_dim_stride,
+        qo_ptr + batch * qo_batch_stride, qo_head_stride, qo_seq_stride, qo_dim_stride,
+        q_start, tl.minimum(q_start + q_heads_per_group, n_q_heads), pos, pos_mask, cols, col_mask,
+        c1, c2, s1, s2, HALF, BLOCK_H,
+    )  # fmt: skip
+    k_start = group * k_heads_per_group
+    _rotate_heads(
+        k_ptr + batch * k_batch_stride, k_head_stride, k_seq_stride, k_dim_stride,
+        ko_ptr + batch * ko_batch_stride, ko_head_stride, ko_seq_stride, ko_dim_stride,
+        k_start, tl.minimum(k_start + k_heads_per_group, n_k_heads), pos, pos_mask, cols, col_mask,
+        c1, c2, s1, s2, HALF, BLOCK_H,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RopeTile:
+    """How the RoPE kernel tiles (B, heads, T, D): BLOCK_T positions x BLOCK_H heads x BLOCK_D pairs a step."""
+
+    block_t: int
+    block_h: int
+    block_d: int
+    num_warps: int
+    n_pos_tiles: int
+    q_heads_per_group: int
+    k_heads_per_group: int
+    grid: tuple[int, int]
+
+
+def rope_tile(
+    batch: int,
+    seq_len: int,
+    q_heads: int,
+    k_heads: int,
+    head_dim: int,
+    *,
+    block_h: int | None = None,
+    block_t: int | None = None,
+    n_groups: int | None = None,
+) -> RopeTile:
+    """Launch settings; the keyword arguments override the defaults (for tuning sweeps and tests)."""
+    block_d = triton.next_power_of_2(head_dim // 2)
+    max_heads = max(q_heads, k_heads, 1)
+    # The interpreter pays per operation, whatever the tile size: it takes every head in one step and a
+    # large tile of positions (few programs). The GPU takes a few heads a step and many programs.
+    if block_h is None:
+        block_h = runtime.pick(cpu=max_heads, gpu=min(_GPU_HEADS_PER_STEP, max_heads))
+    block_h = triton.next_power_of_2(block_h)
+    if block_t is None:
+        step_elements = runtime.pick(cpu=_CPU_STEP_ELEMENTS, gpu=_GPU_STEP_ELEMENTS)
+        block_t = min(max(1, step_elements // (block_h * block_d)), triton.next_power_of_2(max(seq_len, 1)))
+    block_t = triton.next_power_of_2(block_t)
+    n_pos_tiles = triton.cdiv(seq_len, block_t)
+    programs = max(1, batch * n_pos_tiles)
+    if n_groups is None:
+        # Split the heads into groups only when there are too few (batch, position tile) programs for a few
+        # waves over the SMs (short sequences, or a long program tail); each group reloads cos/sin, which
+        # then come from L2.
+        n_groups = min(triton.cdiv(max_heads, block_h), triton.cdiv(_PROGRAMS_PER_SM * runtime.sm_count(), programs))
+    n_groups = max(1, n_groups)
+
+    def per_group(heads: int) -> int:
+        return triton.cdiv(triton.cdiv(heads, n_groups), block_h) * block_h
+
+    num_warps = max(1, min(8, block_h * block_t * block_d // 512))
+    return RopeTile(
+        block_t, block_h, block_d, num_warps, n_pos_tiles, per_group(q_heads), per_group(k_heads),
+        (programs, n_groups),
+    )  # fmt: skip
+
+
+def _strides4(x: torch.Tensor) -> tuple[int, int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
+
+
+def _angle_strides(angle: torch.Tensor) -> tuple[int, int, int]:
+    # A (1, T, D) table is shared by the whole batch: stride 0 along batch broadcasts it.
+    return (angle.stride(0) if angle.shape[0] > 1 else 0), angle.stride(1), angle.stride(2)
+
+
+def rope_rotate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    *,
+    backward: bool,
+    tile: RopeTile | None = None,
+) -> None:
+    """One launch: q_out, k_out = rotation of q, k (``backward=True``: its transpose). Any strides."""
+    batch, q_heads, seq_len, head_dim = q.shape
+    k_heads = k.shape[1]
+    if batch == 0 or seq_len == 0 or q_heads + k_heads == 0:
+        return
+    tile = tile or rope_tile(batch, seq_len, q_heads, k_heads, head_dim)
+    _rope_kernel[tile.grid](
+        q, *_strides4(q), k, *_strides4(k), q_out, *_strides4(q_out), k_out, *_strides4(k_out),
+        cos, *_angle_strides(cos), sin, *_angle_strides(sin),
+        seq_len, q_heads, k_heads, tile.q_heads_per_group, tile.k_heads_per_group, tile.n_pos_tiles,
+        HALF=head_dim // 2, BACKWARD=backward, BLOCK_T=tile.block_t, BLOCK_H=tile.block_h, BLOCK_D=tile.block_d,
+        num_warps=tile.num_warps,
+    )  # fmt: skip
+
+
+def _angle_grads(
+    dq: torch.Tensor, dk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, angle_batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """d cos = sum over heads of dy * x; d sin = sum over heads of dy * rotate_half(x) (plain torch, fp32).
+
+    Only for the rare cos/sin that require grad (learned frequencies); Hugging Face's never do.
+    """
+    dcos = dsin = 0
+    for dy, x in ((dq, q), (dk, k)):
+        dy, x = dy.float(), x.float()
+        dcos = dcos + (dy * x).sum(1)
+        dsin = dsin + (dy * reference.rotate_half(x)).sum(1)
+    if angle_batch == 1:
+        dcos, dsin = dcos.sum(0, keepdim=True), dsin.sum(0, keepdim=True)
+    return dcos, dsin
+
+
+class RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        out_dtype = torch.promote_types(q.dtype, cos.dtype)
+        # empty_like keeps a dense input's strides: a transposed (B, T, H, D) view stays that layout.
+        q_out = torch.empty_like(q, dtype=out_dtype)
+        k_out = torch.empty_like(k, dtype=out_dtype)
+        rope_rotate(q, k, cos, sin, q_out, k_out, backward=False)
+        ctx.angle_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+        ctx.save_for_backward(cos, sin, *((q, k) if ctx.angle_grad else ()))
+        ctx.qk_dtype = q.dtype
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        cos, sin, *qk = ctx.saved_tensors
+        dq = torch.empty_like(dq_out, dtype=ctx.qk_dtype)
+        dk = torch.empty_like(dk_out, dtype=ctx.qk_dtype)
+        rope_rotate(dq_out, dk_out, cos, sin, dq, dk, backward=True)
+        if not ctx.angle_grad:
+            return dq, dk, None, None
+        dcos, dsin = _angle_grads(dq_out, dk_out, *qk, cos.shape[0])
+        return dq, dk, dcos.to(cos.dtype), dsin.to(sin.dtype)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    for name, tensor in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_float(name, tensor)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(
+            f"q has shape {tuple(q.shape)} and k {tuple(k.shape)}: expected 4-D (batch, heads, seq_len, head_dim)"
+        )
+    batch, _, seq_len, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[2:] != q.shape[2:]:
+        raise ValueError(
+            f"q has shape {tuple(q.shape)} and k {tuple(k.shape)}: expected the same batch, seq_len and head_dim "
+            "(only the number of heads may differ)"
+        )
+    if head_dim % 2:
+        raise ValueError(f"head_dim is {head_dim}: expected an even number (RoPE rotates pairs of features)")
+    if head_dim > runtime.MAX_ROW_SIZE:
+        raise ValueError(f"head_dim is {head_dim}: expected at most {runtime.MAX_ROW_SIZE}")
+    check_same_dtype(q=q, k=k)
+    check_same_dtype(cos=cos, sin=sin)
+    check_same_shape(cos=cos, sin=sin)
+    if cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1:] != (seq_len, head_dim):
+        raise ValueError(
+            f"cos and sin have shape {tuple(cos.shape)}: expected ({batch} or 1, {seq_len}, {head_dim}) = "
+            "(batch or 1, seq_len, head_dim) to match q"
+        )
+    devices = {t.device for t in (q, k, cos, sin)}
+    if len(devices) > 1:
+        raise ValueError(f"q, k, cos and sin are on {sorted(map(str, devices))}: expected one device")
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of queries and keys, Hugging Face ``rotate_half`` convention.
+
+    q (B, Hq, T, D) and k (B, Hk, T, D) with any strides (Hq != Hk for grouped-query attention); cos, sin
+    (B or 1, T, D), shared by all heads. Returns ``(q * cos + rotate_half(q) * sin, k * cos + ...)`` in the
+    dtype the PyTorch expression returns (q's dtype when cos has it too) and in q's and k's memory layout.
+    q and k are rotated in one kernel launch, forward and backward.
+    """
+    _check_inputs(q, k, cos, sin)
+    return RopeFunction.apply(q, k, cos, sin)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for ``transformers.models.llama.modeling_llama.apply_rotary_pos_emb``.
+
+    Llama's attention calls it as ``apply_rotary_pos_emb(q, k, cos, sin)`` with q, k (B, H, T, D) and
+    cos, sin (B, T, D) already gathered at the token positions; ``position_ids`` is accepted for older
+    callers and unused, as in transformers 4.x. Only ``unsqueeze_dim=1`` (heads before positions) is
+    supported.
+    """
+    if position_ids is not None and not isinstance(position_ids, torch.Tensor):
+        raise ValueError(f"position_ids is {position_ids!r}: expected a tensor or None (pass unsqueeze_dim by keyword)")
+    if unsqueeze_dim != 1:
+        raise ValueError(
+            f"unsqueeze_dim is {unsqueeze_dim}: expected 1, q and k laid out as (batch, heads, seq_len, head_dim)"
+        )
+    return rope(q, k, cos, sin)
