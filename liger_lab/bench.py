@@ -175,11 +175,11 @@ OPS: dict[str, OpBench] = {
     ),
     "swiglu": OpBench(
         "swiglu", (16384, 14336), _glu_inputs, fwd_passes=3, full_passes=8,
-        impls=_peers("swiglu", lambda g, u: liger_lab.swiglu(g, u), _liger("liger_swiglu")),
+        impls=_peers("swiglu", lambda g, u: liger_lab.swiglu(g, u, in_place_backward=True), _liger("liger_swiglu")),
     ),
     "geglu": OpBench(
         "geglu", (16384, 14336), _glu_inputs, fwd_passes=3, full_passes=8,
-        impls=_peers("geglu", lambda g, u: liger_lab.geglu(g, u), _liger("liger_geglu")),
+        impls=_peers("geglu", lambda g, u: liger_lab.geglu(g, u, in_place_backward=True), _liger("liger_geglu")),
     ),
     "cross_entropy": OpBench(
         "cross_entropy", (8192, 128256), _ce_inputs, fwd_passes=1, full_passes=3,

@@ -108,7 +108,9 @@ def row_launch(n_rows: int, n_cols: int) -> RowLaunch:
         raise ValueError(f"rows of {n_cols} elements are too long: expected at most {MAX_ROW_SIZE}")
     block_n = triton.next_power_of_2(max(n_cols, 1))
     if INTERPRET:
-        rows = min(triton.next_power_of_2(triton.cdiv(n_rows, _INTERPRETER_MAX_PROGRAMS)), 64)
+        # Cost is per program and per statement, not per element: a few programs with tiles of up to
+        # 64 rows (or 64k elements), so a small model's norms take 4 programs instead of one per row.
+        rows = min(triton.next_power_of_2(triton.cdiv(n_rows, 4)), max(64, 2**16 // block_n))
         return RowLaunch(block_n, rows, 1, triton.cdiv(n_rows, rows))
     # Several short rows per program keep enough bytes in flight; long rows get more warps instead.
     rows = max(1, min(_GPU_MAX_TILE // 4 // block_n, 16))
@@ -132,10 +134,29 @@ def persistent_row_launch(n_rows: int, n_cols: int) -> RowLaunch:
     return RowLaunch(block_n, rows, num_warps, max(1, min(triton.cdiv(n_rows, rows), sm_count())))
 
 
+def streaming_row_launch(n_rows: int, n_cols: int) -> RowLaunch:
+    """Tile for kernels that stream rows too long for registers (a vocabulary) in steps of block_n columns.
+
+    Each program takes ``rows`` whole rows and loops over their columns. On the GPU a long row gets one
+    program of up to 32768 columns and 32 warps, about one per SM: the rows in flight (132 SMs x 250 KiB
+    for a bf16 row of 128k) fit in L2, so a second pass over the same rows reads L2 instead of HBM.
+    """
+    if INTERPRET:
+        # The interpreter's cost is per program and per statement, not per element: few programs, big tiles.
+        block_n = min(triton.next_power_of_2(max(n_cols, 1)), 16384)
+        rows = min(triton.next_power_of_2(triton.cdiv(n_rows, 2)), max(1, 2**20 // block_n))
+        return RowLaunch(block_n, rows, 1, max(1, triton.cdiv(n_rows, rows)))
+    block_n = min(triton.next_power_of_2(max(n_cols, 1)), 2 * _GPU_MAX_TILE)
+    rows = max(1, min(_GPU_MAX_TILE // block_n, 16))
+    num_warps = max(4, min(32, rows * block_n // 1024))
+    return RowLaunch(block_n, rows, num_warps, max(1, triton.cdiv(n_rows, rows)))
+
+
 def elementwise_launch(n_elements: int) -> tuple[int, int, int]:
     """(block, num_warps, grid) for a flat elementwise kernel."""
     if INTERPRET:
-        block = max(1024, triton.next_power_of_2(triton.cdiv(n_elements, _INTERPRETER_MAX_PROGRAMS)))
+        # The interpreter pays per program, not per element: about four big programs, at most 2**20 each.
+        block = min(max(1024, triton.next_power_of_2(triton.cdiv(n_elements, 4))), 2**20)
         return block, 1, triton.cdiv(n_elements, block)
     block = 4096
     return block, 8, triton.cdiv(n_elements, block)
