@@ -143,7 +143,7 @@ def print_table(results: Sequence[Result]) -> None:
     print(f"{'op':<14}{'impl':<15}{'fwd ms':>10}{'fwd+bwd ms':>12}{'peak MiB':>10}{'GB/s':>8}{'of copy':>9}")
     for r in sorted(results, key=lambda r: (r.op, r.full_ms)):
         peak = "n/a" if r.peak_mib is None else f"{r.peak_mib:.0f}"
-        gbs = "" if r.full_gbs is None else f"{r.full_gbs:.0f}"
+        gbs = "" if r.full_gbs is None else f"{r.full_gbs:.4g}"
         frac = "" if r.bandwidth_fraction is None else f"{r.bandwidth_fraction:.0%}"
         print(f"{r.op:<14}{r.impl:<15}{r.fwd_ms:>10.3f}{r.full_ms:>12.3f}{peak:>10}{gbs:>8}{frac:>9}")
 
