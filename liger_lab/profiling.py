@@ -2,8 +2,11 @@
 
 Every figure here is measured the same way for every implementation, in the same process:
 
-* time: the median of many calls (``triton.testing.do_bench`` on the GPU; on CPU a wall clock that
-  times the interpreter, labelled as such, never to be read as GPU speed);
+* time: the median of many calls. On the GPU, forward and forward+backward are captured in a CUDA graph
+  and replayed (``triton.testing.do_bench_cudagraph``), so the figure is GPU time, not the Python and
+  launch overhead that dominates a 0.1 ms op; where capture is impossible (an op that reads a value back
+  to the host), ``triton.testing.do_bench``. The row's ``timer`` says which. On CPU a wall clock that times
+  the interpreter, labelled as such, never to be read as GPU speed;
 * peak memory: ``torch.cuda.max_memory_allocated`` during one forward+backward, above what was already
   allocated (the inputs and the upstream gradient); not measurable on CPU;
 * bytes moved: the fewest bytes the op must read and write (each input once, each output once) — the
@@ -83,6 +86,7 @@ class Result:
     full_gbs: float | None = None
     full_tflops: float | None = None
     bandwidth_fraction: float | None = None
+    timer: str = "do_bench"
 
     def as_row(self) -> dict:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -121,10 +125,12 @@ def measure(
     def forward_backward():
         torch.autograd.grad(_tensors(fn(*inputs)), leaves, upstream)
 
-    fwd_ms = time_ms(forward)
-    full_ms = time_ms(forward_backward)
     peak = peak_memory_mib(forward_backward)
-    result = Result(op, impl, fwd_ms, full_ms, peak)
+    fwd_ms, full_ms = runtime.measure_graph_ms(forward), runtime.measure_graph_ms(forward_backward)
+    timer = "cuda_graph"
+    if fwd_ms is None or full_ms is None:
+        fwd_ms, full_ms, timer = time_ms(forward), time_ms(forward_backward), "do_bench"
+    result = Result(op, impl, fwd_ms, full_ms, peak, timer=timer if not runtime.INTERPRET else "wall_clock")
     if fwd_bytes is not None:
         result.fwd_gbs = achieved_gbs(fwd_bytes, fwd_ms)
     if full_bytes is not None:
@@ -138,14 +144,14 @@ def measure(
 
 
 def print_table(results: Sequence[Result]) -> None:
-    """A fixed-width table of results, fastest forward+backward first."""
+    """A fixed-width table of results, fastest forward+backward first within each op."""
     print(f"timer: {runtime.timer_label()}")
-    print(f"{'op':<14}{'impl':<15}{'fwd ms':>10}{'fwd+bwd ms':>12}{'peak MiB':>10}{'GB/s':>8}{'of copy':>9}")
+    print(f"{'op':<14}{'impl':<15}{'fwd ms':>10}{'fwd+bwd ms':>12}{'peak MiB':>10}{'GB/s':>9}{'of copy':>9}  timer")
     for r in sorted(results, key=lambda r: (r.op, r.full_ms)):
         peak = "n/a" if r.peak_mib is None else f"{r.peak_mib:.0f}"
-        gbs = "" if r.full_gbs is None else f"{r.full_gbs:.4g}"
+        gbs = "" if r.full_gbs is None else f"{r.full_gbs:.3g}"
         frac = "" if r.bandwidth_fraction is None else f"{r.bandwidth_fraction:.0%}"
-        print(f"{r.op:<14}{r.impl:<15}{r.fwd_ms:>10.3f}{r.full_ms:>12.3f}{peak:>10}{gbs:>8}{frac:>9}")
+        print(f"{r.op:<14}{r.impl:<15}{r.fwd_ms:>10.3f}{r.full_ms:>12.3f}{peak:>10}{gbs:>9}{frac:>9}  {r.timer}")
 
 
 def plot_results(results: Sequence[Result], title: str = "", floor_ms: float | None = None):
