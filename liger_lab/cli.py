@@ -1,14 +1,460 @@
-"""The ``liger-lab`` command line."""
+"""The ``liger-lab`` command line: check the kernels, benchmark them, regenerate the exercises.
+
+The functions behind the commands (:func:`run_checks`, :func:`run_op_benchmarks`, :func:`plot_ops`) are
+importable too; ``benchmarks/run.py`` builds on them.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
 import click
+import torch
+from tqdm import tqdm
+
+import liger_lab
+from liger_lab import bench, checks, e2e, profiling, reference, runtime
+from liger_lab.e2e import DTYPES
+
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+IMPLS = list(dict.fromkeys(impl for op in bench.OPS.values() for impl in op.impls))
+
+# bench.OPS names the fused linear cross-entropy "flce"; everything else is named like its function.
+OP_FUNCTIONS = {name: "fused_linear_cross_entropy" if name == "flce" else name for name in bench.OPS}
 
 
-@click.group()
+def op_available(function: str) -> bool:
+    """Whether this install of liger_lab has the public function ``function``."""
+    return callable(getattr(liger_lab, function, None))
+
+
+# --------------------------------------------------------------------------------------------------
+# check
+
+
+@dataclass
+class CheckCase:
+    """One op checked in one dtype: fresh inputs, our function and its float64 reference."""
+
+    op: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    fn: Callable[..., object]
+    reference: Callable[..., object]
+    inputs: list[object]
+    input_names: list[str]
+
+
+@dataclass
+class CheckResult:
+    op: str
+    dtype: str
+    shape: str
+    worst_rel_error: float | None
+    status: str  # PASS, FAIL or SKIP
+    detail: str = ""
+
+
+CHECK_OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy")
+
+
+def _randn(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(*shape, device=runtime.DEVICE)).to(dtype)
+
+
+def _targets(n: int, vocab: int) -> torch.Tensor:
+    target = torch.randint(0, vocab, (n,), device=runtime.DEVICE)
+    target[::7] = -100  # some ignored tokens, as padding gives in real batches
+    return target
+
+
+def _case(op: str, dtype: torch.dtype) -> CheckCase:
+    """Inputs for ``op``: small shapes for the interpreter, larger ones on the GPU."""
+    ours, ref = getattr(liger_lab, op), getattr(reference, op)
+    if op in ("rms_norm", "layer_norm"):
+        shape = runtime.pick(cpu=(3, 37, 96), gpu=(4, 1024, 4096))
+        inputs = [_randn(*shape, dtype=dtype), (1 + 0.1 * _randn(shape[-1], dtype=torch.float32)).to(dtype)]
+        if op == "layer_norm":
+            inputs.append(_randn(shape[-1], dtype=dtype, scale=0.1))
+        return CheckCase(op, dtype, shape, ours, ref, inputs, ["x", "weight", "bias"][: len(inputs)])
+    if op == "rope":
+        batch, heads, kv_heads, seq, head_dim = runtime.pick(cpu=(2, 4, 2, 19, 32), gpu=(2, 32, 8, 1024, 128))
+        angles = torch.arange(seq, device=runtime.DEVICE)[:, None] * torch.rand(head_dim // 2, device=runtime.DEVICE)
+        angles = torch.cat([angles, angles], dim=-1)[None]
+        cos, sin = angles.cos(), angles.sin()
+        # cos and sin are constants of the model, not trained: check q and k and their gradients.
+        return CheckCase(
+            op,
+            dtype,
+            (batch, heads, kv_heads, seq, head_dim),
+            lambda q, k: ours(q, k, cos.to(q.dtype), sin.to(q.dtype)),
+            lambda q, k: ref(q, k, cos.to(q.dtype), sin.to(q.dtype)),
+            [_randn(batch, heads, seq, head_dim, dtype=dtype), _randn(batch, kv_heads, seq, head_dim, dtype=dtype)],
+            ["q", "k"],
+        )
+    if op in ("swiglu", "geglu"):
+        shape = runtime.pick(cpu=(3, 33, 160), gpu=(2048, 14336))
+        return CheckCase(
+            op, dtype, shape, ours, ref, [_randn(*shape, dtype=dtype), _randn(*shape, dtype=dtype)], ["gate", "up"]
+        )
+    if op == "cross_entropy":
+        n, vocab = runtime.pick(cpu=(67, 1000), gpu=(2048, 128256))
+        return CheckCase(
+            op, dtype, (n, vocab), ours, ref, [_randn(n, vocab, dtype=dtype), _targets(n, vocab)], ["logits", "target"]
+        )
+    if op == "fused_linear_cross_entropy":
+        n, hidden, vocab = runtime.pick(cpu=(67, 64, 1000), gpu=(2048, 4096, 128256))
+        inputs = [
+            _randn(n, hidden, dtype=dtype),
+            _randn(vocab, hidden, dtype=dtype, scale=hidden**-0.5),
+            _targets(n, vocab),
+        ]
+        return CheckCase(op, dtype, (n, hidden, vocab), ours, ref, inputs, ["hidden", "weight", "target"])
+    raise ValueError(f"op is {op!r}: expected one of {CHECK_OPS}")
+
+
+def check_dtypes() -> tuple[torch.dtype, ...]:
+    """fp32 and fp16 in the interpreter (its bf16 stores truncate), fp32 and bf16 on the GPU."""
+    return runtime.pick(cpu=(torch.float32, torch.float16), gpu=(torch.float32, torch.bfloat16))
+
+
+_REL_ERROR = re.compile(r"rel L2 (\S+)")
+
+
+def run_case(case: CheckCase) -> CheckResult:
+    """Run one check; its printed lines (see :mod:`liger_lab.checks`) become the result's detail."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            ok = checks.check_against_reference(
+                case.op, case.fn, case.reference, case.inputs, input_names=case.input_names
+            )
+    except Exception as error:  # a kernel that raises is a failed check, not a crashed command
+        return CheckResult(
+            case.op, DTYPE_NAMES[case.dtype], str(case.shape), None, "FAIL", f"{type(error).__name__}: {error}"
+        )
+    lines = printed.getvalue().strip()
+    errors = [float(m) for m in _REL_ERROR.findall(lines)]
+    worst = max(errors) if errors else None
+    return CheckResult(case.op, DTYPE_NAMES[case.dtype], str(case.shape), worst, "PASS" if ok else "FAIL", lines)
+
+
+def run_checks(ops: Sequence[str] = CHECK_OPS, dtypes: Sequence[torch.dtype] | None = None) -> list[CheckResult]:
+    """Check every op in every dtype against its float64 reference; ops missing here are SKIP rows."""
+    dtypes = check_dtypes() if dtypes is None else dtypes
+    todo = [(op, dtype) for op in ops for dtype in dtypes]
+    results = []
+    for op, dtype in tqdm(todo, desc="checking", unit="check", disable=None, leave=False):
+        if not op_available(op):
+            results.append(CheckResult(op, DTYPE_NAMES[dtype], "", None, "SKIP", "not in this install"))
+            continue
+        results.append(run_case(_case(op, dtype)))
+    return results
+
+
+def format_checks(results: Sequence[CheckResult]) -> str:
+    lines = [f"{'op':<28}{'dtype':<7}{'shape':<24}{'worst rel err':>14}  result"]
+    for r in results:
+        err = "" if r.worst_rel_error is None else f"{r.worst_rel_error:.1e}"
+        note = f"  ({r.detail})" if r.status == "SKIP" else ""
+        lines.append(f"{r.op:<28}{r.dtype:<7}{r.shape:<24}{err:>14}  {r.status}{note}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# bench ops
+
+
+def op_shape(op: bench.OpBench, small: bool = False) -> tuple[int, ...]:
+    """The benchmark-protocol shape on the GPU, a small one in the interpreter (or when asked)."""
+    return bench.small_shape(op) if small or runtime.INTERPRET else op.shape
+
+
+def run_op_benchmarks(
+    ops: Sequence[str],
+    *,
+    impls: Sequence[str] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    small: bool = False,
+) -> tuple[list[profiling.Result], list[str], list[str]]:
+    """Measure every available implementation of each op; returns (results, skipped, failures).
+
+    The ``liger_lab`` implementation of an op this install lacks is skipped; an implementation that
+    raises is listed in ``failures`` and the others still run.
+    """
+    jobs, skipped, failures = [], [], []
+    for name in ops:
+        for impl in bench.OPS[name].available():
+            if impls and impl not in impls:
+                continue
+            if impl == "liger_lab" and not op_available(OP_FUNCTIONS[name]):
+                skipped.append(f"{name}: liger_lab.{OP_FUNCTIONS[name]} is not in this install")
+                continue
+            jobs.append((name, impl))
+    results = []
+    for name, impl in tqdm(jobs, desc="benchmarking", unit="impl", disable=None, leave=False):
+        shape = (shapes or {}).get(name) or op_shape(bench.OPS[name], small)
+        try:
+            results += bench.OPS[name].run(shape, dtype, impls=[impl])
+        except Exception as error:  # one failing implementation must not hide the others' numbers
+            failures.append(f"{name} {impl} {shape}: {type(error).__name__}: {error}")
+    return results, skipped, failures
+
+
+def plot_ops(results: Sequence[profiling.Result], title: str = ""):
+    """One panel per op: forward+backward time of each implementation, with its speed-up over eager."""
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r.op for r in results))
+    if len(ops) == 1:
+        return profiling.plot_results(results, title=title or ops[0])
+    cols = min(3, len(ops))
+    fig, axes = plt.subplots(
+        math.ceil(len(ops) / cols), cols, figsize=(4.2 * cols, 3.2 * math.ceil(len(ops) / cols)), squeeze=False
+    )
+    for ax, op in zip(axes.flat, ops, strict=False):
+        rows = [r for r in results if r.op == op]
+        eager = next((r.full_ms for r in rows if r.impl == "eager"), None)
+        bars = ax.bar([r.impl for r in rows], [r.full_ms for r in rows])
+        if eager:
+            ax.bar_label(bars, [f"{eager / r.full_ms:.2f}x" for r in rows], fontsize=8)
+        ax.set_title(op)
+        ax.set_ylabel("fwd+bwd ms" if not runtime.INTERPRET else "fwd+bwd ms (CPU interpreter)")
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    for ax in list(axes.flat)[len(ops) :]:
+        ax.axis("off")
+    fig.suptitle(title or "forward+backward time (labels: speed-up over eager)")
+    fig.tight_layout()
+    return fig
+
+
+# --------------------------------------------------------------------------------------------------
+# commands
+
+
+EXAMPLES = """Examples:
+
+\b
+  liger-lab check                              every kernel against float64
+  liger-lab check --op rms_norm -v             one op, every comparison printed
+  liger-lab bench ops --op rms_norm --json rms.json --plot rms.png
+  liger-lab bench e2e --breakdown              train the 1.5B model per mode
+  liger-lab bench e2e --batch 16 --seq 4096 --fit 8x2048,16x4096,32x4096
+  liger-lab exercises                          regenerate chapters/
+"""
+
+
+@click.group(epilog=EXAMPLES)
 @click.version_option(package_name="liger-lab")
 def main() -> None:
-    """Fused Triton kernels for LLM training: check them, benchmark them, regenerate the exercises."""
+    """Fused Triton kernels for LLM training: check them, benchmark them, regenerate the exercises.
+
+    Without a CUDA GPU every kernel runs in Triton's interpreter on CPU tensors (exact but slow), and
+    the commands pick small shapes.
+    """
+
+
+@main.command(short_help="Check every kernel and its gradients against float64.")
+@click.option(
+    "--op", "ops", multiple=True, type=click.Choice(CHECK_OPS), help="Op to check (repeatable; default: all)."
+)
+@click.option("-v", "--verbose", is_flag=True, help="Print every output and gradient comparison.")
+def check(ops: tuple[str, ...], verbose: bool) -> None:
+    """Check every kernel and its gradients against the float64 reference on this machine.
+
+    Small shapes in fp32 and fp16 in the interpreter; larger shapes in fp32 and bf16 on the GPU.
+    Ops that this install does not have are reported as SKIP. Exit code 1 when any check fails.
+    """
+    click.echo(runtime.describe())
+    results = run_checks(ops or CHECK_OPS)
+    click.echo(format_checks(results))
+    failed = [r for r in results if r.status == "FAIL"]
+    for r in results:
+        if r.status == "FAIL" or (verbose and r.status == "PASS"):
+            click.echo(f"\n{r.op} {r.dtype}:\n{r.detail}")
+    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+    click.echo(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    if failed:
+        sys.exit(1)
+
+
+@main.group(name="bench", short_help="Benchmark single ops or end-to-end training.")
+def bench_group() -> None:
+    """Benchmarks: single ops (the benchmark protocol) and end-to-end training."""
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r}: expected sizes joined by x, e.g. 8192x4096", param_hint="--shape"
+        ) from None
+    if any(s < 1 for s in shape):
+        raise click.BadParameter(f"{text!r}: expected positive sizes", param_hint="--shape")
+    return shape
+
+
+@bench_group.command("ops", short_help="Time and measure every op, every implementation.")
+@click.option("--op", "ops", multiple=True, type=click.Choice(list(bench.OPS)), help="Op (repeatable; default: all).")
+@click.option(
+    "--impl",
+    "impls",
+    multiple=True,
+    type=click.Choice(IMPLS),
+    help="Implementation (repeatable; default: every one available here).",
+)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bf16", show_default=True)
+@click.option("--small", is_flag=True, help="Small shapes even on the GPU (always small in the interpreter).")
+@click.option("--shape", metavar="AxBx...", help="One shape for every op chosen, e.g. 8192x4096 for a norm.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write result rows here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Save a plot here.")
+def bench_ops(ops, impls, dtype, small, shape, json_path, plot_path) -> None:
+    """Time forward and forward+backward and measure peak memory of each op, every implementation.
+
+    On the GPU: the protocol shapes (norms 16384 x 4096, ...), CUDA-event medians. In the interpreter:
+    small shapes and a CPU wall clock that says nothing about GPU speed.
+    """
+    ops = ops or list(bench.OPS)
+    shapes = {name: _parse_shape(shape) for name in ops} if shape else None
+    click.echo(runtime.describe())
+    results, skipped, failures = run_op_benchmarks(ops, impls=impls, dtype=DTYPES[dtype], shapes=shapes, small=small)
+    for line in skipped:
+        click.echo(f"skipped {line}", err=True)
+    for line in failures:
+        click.echo(f"FAILED {line}", err=True)
+    if not results:
+        raise click.ClickException("nothing was measured")
+    profiling.print_table(results)
+    if json_path:
+        bench.write_json(results, json_path, {"dtype": dtype})
+        click.echo(f"wrote {json_path}")
+    if plot_path:
+        plot_ops(results).savefig(plot_path, dpi=120, bbox_inches="tight")
+        click.echo(f"wrote {plot_path}")
+    if failures:
+        sys.exit(1)
+
+
+def _pair_sizes(batches: Sequence[int], seqs: Sequence[int]) -> list[tuple[int, int]]:
+    """--batch 8 --seq 2048 --batch 16 --seq 4096 -> [(8, 2048), (16, 4096)]; a single value pairs with all."""
+    batches = list(batches) * (len(seqs) if len(batches) == 1 else 1)
+    seqs = list(seqs) * (len(batches) if len(seqs) == 1 else 1)
+    if len(batches) != len(seqs):
+        raise click.BadParameter("give one --seq per --batch (or a single one of either)")
+    return list(zip(batches, seqs, strict=True))
+
+
+@bench_group.command("e2e", short_help="Train the Llama benchmark model per mode: tokens/s, peak memory.")
+@click.option(
+    "--mode",
+    "modes",
+    multiple=True,
+    type=click.Choice(["hf", "liger_lab", "liger"]),
+    help="Training mode (repeatable; default: every one available here).",
+)
+@click.option("--model", type=click.Choice(["tiny", "1.5b"]), help="Model preset [default: 1.5b on GPU, tiny on CPU].")
+@click.option("--layers", type=int, help="Override the number of decoder layers.")
+@click.option("--batch", "batches", multiple=True, type=int, help="Batch size [default: 8 on GPU, 2 on CPU].")
+@click.option(
+    "--seq",
+    "seqs",
+    multiple=True,
+    type=int,
+    help="Sequence length [default: 2048 on GPU, 16 on CPU]. Repeat --batch and --seq for several sizes.",
+)
+@click.option("--steps", type=int, default=5, show_default=True, help="Timed steps.")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps first.")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), help="[default: bf16 on GPU, fp32 on CPU]")
+@click.option("--breakdown", is_flag=True, help="First print the analytic memory breakdown.")
+@click.option(
+    "--fit",
+    "fit_sizes",
+    default="",
+    metavar="BxT,BxT,...",
+    help="Also find, per mode, the largest of these sizes that trains without running out of memory.",
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write result rows here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Save a plot here.")
+@click.option(
+    "--timeline",
+    "timeline_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Record allocated memory through one step per mode and plot it here (GPU).",
+)
+def bench_e2e(
+    modes, model, layers, batches, seqs, steps, warmup, dtype, breakdown, fit_sizes, json_path, plot_path, timeline_path
+) -> None:
+    """Train a Llama-style model a few steps per mode, each in a fresh process: tokens/s, peak memory, loss.
+
+    The default model is the benchmark one: Llama-style, 1498M parameters, bf16, AdamW, 8 x 2048 tokens
+    per step.
+    """
+    model = model or runtime.pick(cpu="tiny", gpu="1.5b")
+    sizes = _pair_sizes(batches or [runtime.pick(cpu=2, gpu=8)], seqs or [runtime.pick(cpu=16, gpu=2048)])
+    try:
+        candidates = [e2e.parse_shape(s) for s in fit_sizes.split(",") if s]
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--fit") from None
+    missing = [m for m in modes if m not in e2e.available_modes()]
+    if missing:
+        raise click.BadParameter(f"not available in this install: {', '.join(missing)}", param_hint="--mode")
+    modes = modes or tuple(e2e.available_modes())
+    config = e2e.llama_config(model, layers=layers)
+    click.echo(runtime.describe())
+    click.echo(f"model {model}: {e2e.count_parameters(config):,} parameters, {config.num_hidden_layers} layers")
+    if breakdown:
+        params_dtype = DTYPES[dtype] if dtype else e2e.default_dtype()
+        for batch, seq in sizes:
+            columns = {
+                "eager": e2e.memory_breakdown(config, batch, seq, dtype=params_dtype),
+                "fused": e2e.memory_breakdown(config, batch, seq, dtype=params_dtype, fused=True),
+            }
+            click.echo(f"\nanalytic memory of one step, batch {batch} x seq {seq}:\n{e2e.format_breakdown(columns)}\n")
+
+    common = dict(model=model, layers=layers, dtype=dtype, steps=steps, warmup=warmup)
+    runs = [(mode, batch, seq) for batch, seq in sizes for mode in modes]
+    rows = [
+        e2e.run_isolated("train", mode=mode, batch=batch, seq=seq, **common)
+        for mode, batch, seq in tqdm(runs, desc="training", unit="run", disable=None, leave=False)
+    ]
+    for r in rows:
+        if r.get("error"):
+            click.echo(f"{r['impl']} {r['batch']}x{r['seq']} failed:\n{r['error']}", err=True)
+    click.echo(e2e.format_runs(rows))
+    click.echo(f"timer: {e2e.timer_label()}")
+    extra = []
+    if candidates:
+        for mode in tqdm(modes, desc="largest fit", unit="mode", disable=None, leave=False):
+            fit = e2e.run_isolated("fit", mode=mode, shapes=candidates, **common)
+            extra.append(fit)
+            largest = "x".join(map(str, fit["largest"])) if fit.get("largest") else "none"
+            oom = "x".join(map(str, fit["oom_at"])) if fit.get("oom_at") else "none of those tried"
+            click.echo(f"largest fit {mode:<10} {largest:>10}   (first out of memory: {oom})")
+    if timeline_path:
+        batch, seq = sizes[0]
+        timelines = [e2e.run_isolated("timeline", mode=m, batch=batch, seq=seq, **common) for m in modes]
+        extra += timelines
+        e2e.plot_timelines(timelines).savefig(timeline_path, dpi=120, bbox_inches="tight")
+        click.echo(f"wrote {timeline_path}" + ("" if any(t.get("t_ms") for t in timelines) else " (empty: GPU only)"))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(rows + extra, indent=1) + "\n")
+        click.echo(f"wrote {json_path}")
+    if plot_path:
+        e2e.plot_runs(rows).savefig(plot_path, dpi=120, bbox_inches="tight")
+        click.echo(f"wrote {plot_path}")
+    if any(r.get("error") for r in rows + extra):
+        sys.exit(1)
 
 
 @main.command()

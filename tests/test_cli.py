@@ -1,0 +1,174 @@
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+from click.testing import CliRunner
+
+import liger_lab
+from liger_lab import cli, reference, runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+VERSION_KEYS = {"gpu", "torch", "triton", "liger_lab"}
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli.main, list(args), catch_exceptions=False)
+
+
+def test_help_names_every_command():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("check", "bench", "exercises"):
+        assert command in result.output
+    bench_help = invoke("bench", "--help").output
+    assert "ops" in bench_help and "e2e" in bench_help
+
+
+def test_check_passes_for_every_op_present_and_skips_the_rest():
+    result = invoke("check")
+    assert result.exit_code == 0, result.output
+    rows = [
+        line.split() for line in result.output.splitlines() if line.split()[:1] and line.split()[0] in cli.CHECK_OPS
+    ]
+    for op in cli.CHECK_OPS:
+        statuses = {row[1]: row[-1] if "SKIP" not in row else "SKIP" for row in rows if row[0] == op}
+        expected = "PASS" if cli.op_available(op) else "SKIP"
+        assert statuses == {"fp32": expected, "fp16": expected}, (op, result.output)
+    present = sum(cli.op_available(op) for op in cli.CHECK_OPS)
+    assert f"{2 * present} passed, 0 failed, {2 * (len(cli.CHECK_OPS) - present)} skipped" in result.output
+
+
+def test_check_reports_worst_relative_error_of_all_comparisons():
+    results = cli.run_checks(["rms_norm"], [torch.float32])
+    (only,) = results
+    assert only.status == "PASS" and 0 < only.worst_rel_error < 1e-5
+    # three comparisons (output, grad x, grad weight): the worst is the largest printed figure
+    figures = [float(line.split("rel L2 ")[1].split()[0]) for line in only.detail.splitlines()]
+    assert len(figures) == 3 and only.worst_rel_error == max(figures)
+
+
+def test_check_fails_with_exit_code_1_when_a_kernel_is_wrong(monkeypatch):
+    monkeypatch.setattr(liger_lab, "rms_norm", lambda x, w, eps=1e-6: 1.01 * reference.rms_norm(x, w, eps))
+    result = invoke("check", "--op", "rms_norm")
+    assert result.exit_code == 1
+    assert "FAIL rms_norm: output" in result.output
+    assert "0 passed, 2 failed" in result.output
+
+
+def test_a_kernel_that_raises_is_a_failure_not_a_crash(monkeypatch):
+    def broken(x, w, eps=1e-6):
+        raise ValueError("x has shape (3,): expected something else")
+
+    monkeypatch.setattr(liger_lab, "rms_norm", broken)
+    result = invoke("check", "--op", "rms_norm")
+    assert result.exit_code == 1
+    assert "ValueError: x has shape (3,)" in result.output
+
+
+def test_an_op_missing_from_the_install_is_skipped(monkeypatch):
+    monkeypatch.delattr(liger_lab, "rms_norm")
+    result = invoke("check", "--op", "rms_norm")
+    assert result.exit_code == 0
+    assert "SKIP" in result.output and "not in this install" in result.output
+
+
+def test_unknown_op_is_a_usage_error():
+    result = invoke("check", "--op", "softmax")
+    assert result.exit_code == 2 and "softmax" in result.output
+
+
+def _rows_are_valid(rows, op):
+    assert rows and all(row["op"] == op for row in rows)
+    for row in rows:
+        assert VERSION_KEYS <= set(row)
+        assert row["torch"] == torch.__version__ and row["liger_lab"] == liger_lab.__version__
+        assert math.isfinite(row["fwd_ms"]) and row["fwd_ms"] > 0
+        assert math.isfinite(row["full_ms"]) and row["full_ms"] > 0
+        assert "peak_mib" in row and (row["peak_mib"] is None) == runtime.INTERPRET
+
+
+def test_bench_ops_writes_json_rows_and_a_plot(tmp_path):
+    json_path, plot_path = tmp_path / "out" / "ops.json", tmp_path / "ops.png"
+    result = invoke("bench", "ops", "--op", "rms_norm", "--shape", "8x48", "--json", str(json_path),
+                    "--plot", str(plot_path))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = json.loads(json_path.read_text())
+    _rows_are_valid(rows, "rms_norm")
+    assert {row["impl"] for row in rows} == set(cli.bench.OPS["rms_norm"].available())
+    assert plot_path.stat().st_size > 0
+    assert "fwd+bwd ms" in result.output
+
+
+def test_bench_ops_without_our_kernel_still_measures_the_others(monkeypatch, tmp_path):
+    monkeypatch.delattr(liger_lab, "rms_norm")
+    json_path = tmp_path / "ops.json"
+    result = invoke("bench", "ops", "--op", "rms_norm", "--impl", "liger_lab", "--impl", "eager", "--shape", "4x16",
+                    "--json", str(json_path))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "skipped rms_norm: liger_lab.rms_norm is not in this install" in result.output
+    assert [row["impl"] for row in json.loads(json_path.read_text())] == ["eager"]
+
+
+def test_bench_ops_rejects_a_bad_shape():
+    result = invoke("bench", "ops", "--op", "rms_norm", "--shape", "8xfoo")
+    assert result.exit_code == 2 and "expected sizes joined by x" in result.output
+
+
+def test_bench_e2e_runs_a_tiny_model_in_a_fresh_process(tmp_path):
+    json_path = tmp_path / "e2e.json"
+    result = invoke("bench", "e2e", "--mode", "hf", "--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "1",
+                    "--warmup", "0", "--breakdown", "--json", str(json_path))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "analytic memory of one step, batch 2 x seq 16" in result.output
+    (row,) = json.loads(json_path.read_text())
+    assert row["op"] == "e2e" and row["impl"] == "hf" and (row["batch"], row["seq"]) == (2, 16)
+    assert row["tokens_per_s"] > 0 and math.isfinite(row["loss0"])
+    assert VERSION_KEYS <= set(row)
+
+
+def test_e2e_sizes_pair_up():
+    assert cli._pair_sizes([8, 16], [2048, 4096]) == [(8, 2048), (16, 4096)]
+    assert cli._pair_sizes([8], [1024, 2048]) == [(8, 1024), (8, 2048)]
+    with pytest.raises(Exception, match="one --seq per --batch"):
+        cli._pair_sizes([1, 2], [3, 4, 5])
+
+
+def test_exercises_regenerates_chapters(tmp_path, monkeypatch):
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell("x = 1\n# BEGIN SOLUTION hint: add one\ny = x + 1\n# END SOLUTION\n")]
+    (tmp_path / "solutions").mkdir()
+    nbformat.write(notebook, tmp_path / "solutions" / "01_demo.ipynb")
+    monkeypatch.chdir(tmp_path)
+    result = invoke("exercises")
+    assert result.exit_code == 0 and "01_demo.ipynb" in result.output
+    source = "".join(nbformat.read(tmp_path / "chapters" / "01_demo.ipynb", as_version=4).cells[0].source)
+    assert "y = x + 1" not in source and "EXERCISE: add one" in source
+
+
+def _benchmark_script():
+    spec = importlib.util.spec_from_file_location("benchmarks_run", ROOT / "benchmarks" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_script_runs_at_tiny_sizes(tmp_path):
+    script = _benchmark_script()
+    assert script.main(["--op", "rms_norm", "--out", str(tmp_path), "--name", "t"]) == 0
+    rows = json.loads((tmp_path / "t.json").read_text())
+    assert {"ceiling_copy", "ceiling_matmul_bf16", "rms_norm"} == {row["op"] for row in rows}
+    assert all(VERSION_KEYS <= set(row) for row in rows)
+    ops = [row for row in rows if row["op"] == "rms_norm" and "sweep" not in row]
+    _rows_are_valid(ops, "rms_norm")
+    sweep = [row for row in rows if row.get("sweep") == "norms"]
+    hiddens, token_counts = script.sweep_sizes(quick=False)
+    impls = set(cli.bench.OPS["rms_norm"].available())
+    assert {(r["tokens"], r["hidden"], r["impl"]) for r in sweep} == {
+        (t, h, i) for t in token_counts for h in hiddens for i in impls
+    }
+    assert len(script.winners(sweep)) == len(hiddens) * len(token_counts)
+    assert (tmp_path / "t-ops.png").exists() and (tmp_path / "t-norms.png").exists()
