@@ -110,13 +110,14 @@ def measure(
     """Time ``fn`` forward and forward+backward on fresh inputs, and its peak memory.
 
     ``make_inputs()`` returns the positional arguments; tensors that require grad get gradients.
-    The upstream gradient is random (not ones) and allocated before the measurement starts, so peak
-    memory counts only what the implementation itself allocates.
+    The upstream gradient is random (1 for a scalar loss, as in training) and allocated before the
+    measurement starts, so peak memory counts only what the implementation itself allocates.
     """
     inputs = list(make_inputs())
     leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     outputs = _tensors(fn(*inputs))
-    upstream = [torch.randn_like(o) for o in outputs]
+    # A scalar loss gets 1, what loss.backward() passes; anything else a random gradient.
+    upstream = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outputs]
     del outputs
 
     def forward():

@@ -1,0 +1,90 @@
+"""Loss modules: ``torch.nn.CrossEntropyLoss`` on liger_lab's kernel, and the fused linear cross-entropy."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from liger_lab.ops.cross_entropy import cross_entropy
+from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+
+class CrossEntropyLoss(nn.Module):
+    """``torch.nn.CrossEntropyLoss`` for class indices, plus ``softcap`` and ``z_loss_scale``.
+
+    Logits are (..., V) with the classes *last* (the layout of language-model logits; torch's
+    (N, C, d1, ...) layout is not accepted beyond N x C), targets (...). Per-class ``weight`` and soft
+    (probability) targets are not supported. Like :func:`liger_lab.cross_entropy`, the forward **writes
+    the gradient over the logits** when they require grad: do not read the logits after the loss.
+    """
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        softcap: float | None = None,
+        z_loss_scale: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.softcap = softcap
+        self.z_loss_scale = z_loss_scale
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(
+            input, target, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
+            reduction=self.reduction, softcap=self.softcap, z_loss_scale=self.z_loss_scale,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing={self.label_smoothing}, "
+            f"softcap={self.softcap}, z_loss_scale={self.z_loss_scale}"
+        )
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """The loss of an ``lm_head`` without its logits: ``forward(lin_weight, _input, target, bias=None)``.
+
+    The argument order is Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (weight first), so code
+    written for it works unchanged: ``loss = lce(model.lm_head.weight, hidden_states, labels)``. The
+    module holds no parameters; the weight is the caller's (tied to the embedding or not). See
+    :func:`liger_lab.fused_linear_cross_entropy` for ``chunk_tokens`` and ``accumulation``.
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        softcap: float | None = None,
+        *,
+        chunk_tokens: int | None = None,
+        accumulation: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.softcap = softcap
+        self.chunk_tokens = chunk_tokens
+        self.accumulation = accumulation
+
+    def forward(
+        self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return fused_linear_cross_entropy(
+            _input, lin_weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
+            reduction=self.reduction, softcap=self.softcap, chunk_tokens=self.chunk_tokens,
+            accumulation=self.accumulation,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, reduction={self.reduction!r}, "
+            f"softcap={self.softcap}, accumulation={self.accumulation}"
+        )

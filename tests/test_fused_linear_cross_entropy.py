@@ -1,0 +1,231 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import randn
+
+import liger_lab
+from liger_lab import reference, runtime
+from liger_lab.checks import check_against_reference, relative_l2_error
+from liger_lab.nn import FusedLinearCrossEntropyLoss
+from liger_lab.ops import fused_linear_cross_entropy as flce_module
+
+N, H, V = 40, 32, 1000
+CHUNK = 16  # 40 tokens: chunks of 16, 16 and 8
+
+
+def reference_grad(fn, x, *args):
+    """d fn(x, *args) / dx in float64."""
+    x = x.detach().double().requires_grad_()
+    return torch.autograd.grad(fn(x, *args), x)[0]
+
+
+def targets(shape, vocab, ignored_every=5, ignore_index=-100):
+    t = torch.randint(0, vocab, shape, device=runtime.DEVICE)
+    if ignored_every:
+        t.view(-1)[::ignored_every] = ignore_index
+    return t
+
+
+def inputs(n=N, hidden=H, vocab=V, dtype=torch.float32, bias=False, scale=1.0):
+    made = [
+        randn(n, hidden, dtype=dtype, scale=scale),
+        randn(vocab, hidden, dtype=dtype, scale=hidden**-0.5),
+        targets((n,), vocab),
+    ]
+    return made + ([randn(vocab, dtype=dtype, scale=0.1)] if bias else [])
+
+
+def _check(tensors, tol=None, **kwargs):
+    options = {k: v for k, v in kwargs.items() if k not in ("chunk_tokens", "accumulation")}
+    names = ["hidden", "weight", "target", "bias"][: len(tensors)]
+    return check_against_reference(
+        "fused_linear_cross_entropy",
+        lambda *a: liger_lab.fused_linear_cross_entropy(*a, **kwargs),
+        lambda *a: reference.fused_linear_cross_entropy(*a, **options),
+        tensors,
+        input_names=names,
+        tol=tol,
+    )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"label_smoothing": 0.1}, {"softcap": 3.0}, {"label_smoothing": 0.2, "softcap": 5.0, "ignore_index": 7}],
+)
+def test_matches_float64_fp32_over_several_chunks(options, reduction):
+    tensors = inputs(bias=True)
+    tensors[2] = targets((N,), V, ignore_index=options.get("ignore_index", -100))
+    assert _check(tensors, chunk_tokens=CHUNK, reduction=reduction, **options)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 12, None])
+def test_any_chunk_size_gives_the_same_result(chunk_tokens):
+    assert _check(inputs(n=12), chunk_tokens=chunk_tokens)
+
+
+def test_3d_hidden_and_target():
+    hidden, weight, _ = inputs()
+    assert _check([randn(2, 9, H), weight, targets((2, 9), V)], chunk_tokens=5, reduction="none")
+
+
+def test_huge_activations_stay_finite():
+    assert _check(inputs(scale=300.0), chunk_tokens=CHUNK)
+
+
+@pytest.mark.parametrize("accumulation", ["fp32", "weight_dtype"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp16(accumulation, reduction):
+    tensors = inputs(dtype=torch.float16, bias=True)
+    assert _check(tensors, chunk_tokens=CHUNK, accumulation=accumulation, reduction=reduction)
+
+
+def test_tied_weight_accumulates_embedding_and_head_gradients():
+    ids, labels = targets((3, 11), V, ignored_every=0), targets((3, 11), V)
+    table, proj = randn(V, H, scale=0.5), randn(H, H, scale=H**-0.5)
+
+    def grads(dtype, head_loss):
+        leaves = table.to(dtype).clone().requires_grad_(), proj.to(dtype).clone().requires_grad_()
+        hidden = torch.tanh(F.embedding(ids, leaves[0]) @ leaves[1])  # the embedding table is also the head
+        head_loss(hidden, leaves[0], labels).backward()
+        return [leaf.grad for leaf in leaves]
+
+    ours = grads(torch.float32, lambda h, w, t: liger_lab.fused_linear_cross_entropy(h, w, t, chunk_tokens=8))
+    expected = grads(torch.float64, reference.fused_linear_cross_entropy)
+    assert relative_l2_error(ours[0], expected[0]) < 1e-5
+    assert relative_l2_error(ours[1], expected[1]) < 1e-5
+    # Both uses of the table contribute: the head's share alone is far from the total.
+    hidden = torch.tanh(F.embedding(ids, table.double()) @ proj.double())
+    head_only = reference_grad(lambda w: reference.fused_linear_cross_entropy(hidden, w, labels), table)
+    assert relative_l2_error(head_only, expected[0]) > 1e-2
+
+
+@pytest.mark.parametrize("trainable", ["hidden", "weight", "bias"])
+def test_only_requested_gradients(trainable):
+    hidden, weight, target, bias = inputs(bias=True)
+    leaves = {"hidden": hidden, "weight": weight, "bias": bias}
+    leaves[trainable].requires_grad_()
+    loss = liger_lab.fused_linear_cross_entropy(hidden, weight, target, bias, chunk_tokens=CHUNK)
+    (grad,) = torch.autograd.grad(loss, leaves[trainable])
+    doubles = {name: leaf.detach().double() for name, leaf in leaves.items()}
+
+    def reference_loss(x):
+        args = {**doubles, trainable: x}
+        return reference.fused_linear_cross_entropy(args["hidden"], args["weight"], target, args["bias"])
+
+    expected = reference_grad(reference_loss, doubles[trainable])
+    assert relative_l2_error(grad, expected) < 1e-5
+
+
+def test_no_grad_forward_leaves_inputs_alone():
+    hidden, weight, target = inputs()
+    copies = hidden.clone(), weight.clone()
+    with torch.no_grad():
+        loss = liger_lab.fused_linear_cross_entropy(hidden.requires_grad_(), weight, target, chunk_tokens=CHUNK)
+    assert (
+        relative_l2_error(loss, reference.fused_linear_cross_entropy(hidden.double(), weight.double(), target)) < 1e-6
+    )
+    assert torch.equal(hidden, copies[0]) and torch.equal(weight, copies[1])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_targets_ignored(reduction):
+    hidden, weight, _ = inputs(n=10)
+    hidden.requires_grad_(), weight.requires_grad_()
+    target = torch.full((10,), -100, device=runtime.DEVICE)
+    loss = liger_lab.fused_linear_cross_entropy(hidden, weight, target, reduction=reduction, chunk_tokens=4)
+    loss.sum().backward()
+    assert (loss == 0).all()
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden)) and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_plain_backward_and_second_backward():
+    hidden, weight, target = inputs()
+    hidden.requires_grad_()
+    loss = liger_lab.fused_linear_cross_entropy(hidden, weight, target, chunk_tokens=CHUNK)
+    loss.backward(retain_graph=True)  # upstream gradient exactly 1: the scaling pass is skipped
+    expected = reference_grad(reference.fused_linear_cross_entropy, hidden, weight.double(), target)
+    assert relative_l2_error(hidden.grad, expected) < 1e-5
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_chunk_size_follows_the_memory_budget():
+    # The design shape: 192 MiB / (128256 x 2 bytes) = 784 tokens -> 768, a multiple of 128.
+    assert flce_module.chunk_tokens_for(8192, 128256, torch.bfloat16) == 768
+    assert flce_module.chunk_tokens_for(8192, 128256, torch.float32) == 384
+    assert flce_module.chunk_tokens_for(8192, 128256, torch.bfloat16, budget=2**20) == 128  # never below 128
+    assert flce_module.chunk_tokens_for(100, 32000, torch.bfloat16) == 100  # never above the token count
+
+
+def test_auto_accumulation_picks_fp32_when_it_fits():
+    small = torch.empty(1000, 64, dtype=torch.bfloat16, device="meta")
+    llama3_head = torch.empty(128256, 4096, dtype=torch.bfloat16, device="meta")
+    assert flce_module.accumulation_dtype(small, "auto") == torch.float32
+    assert flce_module.accumulation_dtype(llama3_head, "auto") == torch.bfloat16  # 2 GiB of fp32: too much
+    assert flce_module.accumulation_dtype(llama3_head, "fp32") == torch.float32
+    assert flce_module.accumulation_dtype(llama3_head.float(), "auto") == torch.float32
+    assert flce_module.accumulation_dtype(small, "weight_dtype") == torch.bfloat16
+
+
+def test_module_takes_liger_argument_order():
+    hidden, weight, target, bias = inputs(bias=True)
+    loss = FusedLinearCrossEntropyLoss(reduction="sum", chunk_tokens=CHUNK)(weight, hidden, target, bias)
+    expected = reference.fused_linear_cross_entropy(
+        hidden.double(), weight.double(), target, bias.double(), reduction="sum"
+    )
+    assert relative_l2_error(loss, expected) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "make,kwargs,message",
+    [
+        (lambda h, w, t: (h, w[:, :-1], t), {}, "weight has shape"),
+        (lambda h, w, t: (h, w[0], t), {}, "weight has shape"),
+        (lambda h, w, t: (h, w, t[:-1]), {}, "target has shape"),
+        (lambda h, w, t: (h, w, t.float()), {}, "integer tensor"),
+        (lambda h, w, t: (h, w, torch.full_like(t, V)), {}, "out of range"),
+        (lambda h, w, t: (h, w.half(), t), {}, "expected one dtype"),
+        (lambda h, w, t: (h, w, t, torch.zeros(V + 1, device=h.device)), {}, "bias has shape"),
+        (lambda h, w, t: (h, w, t, torch.zeros(V, device=h.device).half()), {}, "expected one dtype"),
+        (lambda h, w, t: (h.double(), w.double(), t), {}, "torch.float64"),
+        (lambda h, w, t: (h, w, t), {"chunk_tokens": 0}, "chunk_tokens"),
+        (lambda h, w, t: (h, w, t), {"accumulation": "bf16"}, "accumulation"),
+        (lambda h, w, t: (h, w, t), {"reduction": "mean_per_token"}, "reduction"),
+        (lambda h, w, t: (h, w, t), {"softcap": -1.0}, "softcap"),
+    ],
+)
+def test_bad_input_is_a_value_error(make, kwargs, message):
+    hidden, weight, target = inputs()
+    with pytest.raises(ValueError, match=message):
+        liger_lab.fused_linear_cross_entropy(*make(hidden, weight, target), **kwargs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("accumulation", ["fp32", "weight_dtype"])
+def test_bf16_128k_vocabulary(reduction, accumulation):
+    tensors = inputs(n=64, hidden=256, vocab=128256, dtype=torch.bfloat16, bias=True)
+    assert _check(tensors, chunk_tokens=24, reduction=reduction, accumulation=accumulation, label_smoothing=0.1)
+
+
+@pytest.mark.cuda
+def test_bf16_3d_softcap_default_chunks():
+    hidden = randn(4, 700, 512, dtype=torch.bfloat16)
+    weight = randn(50257, 512, dtype=torch.bfloat16, scale=512**-0.5)
+    assert _check([hidden, weight, targets((4, 700), 50257)], softcap=30.0)
+
+
+@pytest.mark.cuda
+def test_peak_memory_at_the_design_shape():
+    n, hidden_size, vocab = 8192, 4096, 128256
+    hidden = randn(n, hidden_size, dtype=torch.bfloat16).requires_grad_()
+    weight = randn(vocab, hidden_size, dtype=torch.bfloat16, scale=hidden_size**-0.5).requires_grad_()
+    target = targets((n,), vocab)
+
+    def step():
+        torch.autograd.grad(liger_lab.fused_linear_cross_entropy(hidden, weight, target), [hidden, weight])
+
+    step()  # cuBLAS workspaces are allocated once, before the measurement
+    peak = runtime.peak_memory_bytes(step)
+    assert peak <= 1.25 * 2**30, f"peak {peak / 2**30:.2f} GiB above the inputs"
