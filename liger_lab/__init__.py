@@ -5,8 +5,27 @@ available, Triton's interpreter on CPU tensors otherwise.
 """
 
 from liger_lab import runtime
+from liger_lab.ops.cross_entropy import cross_entropy
+from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from liger_lab.ops.layer_norm import layer_norm
 from liger_lab.ops.rms_norm import rms_norm
+from liger_lab.ops.rope import apply_rotary_pos_emb, rope
+from liger_lab.ops.swiglu import geglu, swiglu
+from liger_lab.patching import patch, unpatch
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "rms_norm", "runtime"]
+__all__ = [
+    "__version__",
+    "apply_rotary_pos_emb",
+    "layer_norm",
+    "rms_norm",
+    "rope",
+    "runtime",
+    "swiglu",
+    "geglu",
+    "patch",
+    "unpatch",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+]

@@ -106,11 +106,13 @@ def measure(
     fwd_bytes: int | None = None,
     full_bytes: int | None = None,
     full_flops: float | None = None,
+    graph: bool = True,
 ) -> Result:
     """Time ``fn`` forward and forward+backward on fresh inputs, and its peak memory.
 
     ``make_inputs()`` returns the positional arguments; tensors that require grad get gradients.
-    The upstream gradient is random (1 for a scalar loss, as in training) and allocated before the
+    ``graph=False`` skips CUDA-graph capture (for ops that cannot be captured). The upstream gradient
+    is random (1 for a scalar loss, as in training) and allocated before the
     measurement starts, so peak memory counts only what the implementation itself allocates.
     """
     inputs = list(make_inputs())
@@ -127,7 +129,9 @@ def measure(
         torch.autograd.grad(_tensors(fn(*inputs)), leaves, upstream)
 
     peak = peak_memory_mib(forward_backward)
-    fwd_ms, full_ms = runtime.measure_graph_ms(forward), runtime.measure_graph_ms(forward_backward)
+    fwd_ms = full_ms = None
+    if graph:
+        fwd_ms, full_ms = runtime.measure_graph_ms(forward), runtime.measure_graph_ms(forward_backward)
     timer = "cuda_graph"
     if fwd_ms is None or full_ms is None:
         fwd_ms, full_ms, timer = time_ms(forward), time_ms(forward_backward), "do_bench"

@@ -1,0 +1,520 @@
+"""Run Hugging Face transformers models on liger_lab's kernels, without touching their weights.
+
+A transformers decoder is assembled from a handful of classes in one modeling module per family
+(``transformers.models.llama.modeling_llama`` and so on): an RMSNorm class, a gated MLP class, an
+attention class that calls the module's free function ``apply_rotary_pos_emb`` by name, and a
+``...ForCausalLM`` whose forward computes every logit and then the loss. :func:`patch` swaps in fused
+versions of those pieces, in one of two ways:
+
+* ``patch("llama")`` patches the *family*: ``LlamaRMSNorm``, ``LlamaMLP`` and ``LlamaAttention`` in the
+  modeling module become fused subclasses, so every model built afterwards is made of them, and
+  ``LlamaForCausalLM.forward`` is wrapped (which reaches models already built too);
+* ``patch(model)`` patches one *instance* in place (a PEFT wrapper is looked through): each of those
+  modules gets the fused subclass as its ``__class__`` and the model gets its own ``forward``. Its
+  parameters, buffers and state dict stay exactly as they were, and other models are not affected.
+
+The fused subclasses override ``forward`` only, so ``isinstance`` checks, weight initialisation, state
+dicts and ``save_pretrained`` see the transformers classes they derive from. RoPE is the one piece that
+is not a module: the modeling module's ``apply_rotary_pos_emb`` is replaced (while any patched model or
+family needs it) by a dispatcher that runs the fused kernel inside the forward of a fused attention and
+transformers' own function everywhere else. :func:`unpatch` puts back exactly the objects it replaced:
+every swap is kept in a registry with the original it displaced.
+
+The causal-LM forward computes the loss with :func:`liger_lab.fused_linear_cross_entropy` when labels
+are given in training: the (tokens x vocabulary) logits are never materialised, so ``logits`` is None in
+that output. It shifts the labels like transformers (position t predicts label t+1, ``-100`` ignored),
+honours ``num_items_in_batch`` (the Trainer's gradient-accumulation normaliser: sum over tokens divided
+by it), ``shift_labels``, ``ignore_index``, ``logits_to_keep`` and ``return_dict``, and applies Gemma 2's
+``final_logit_softcapping`` inside the fused loss. Without labels, in eval mode, or with
+``skip_logits=False``, the model returns logits as transformers does (with ``cross_entropy=True`` the loss
+then comes from :func:`liger_lab.cross_entropy`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from liger_lab.nn.mlp import GeGLUMLP, SwiGLUMLP
+from liger_lab.ops import cross_entropy as ce_ops
+from liger_lab.ops import fused_linear_cross_entropy as flce_ops
+from liger_lab.ops import rms_norm as rms_norm_ops
+from liger_lab.ops import rope as rope_ops
+from liger_lab.ops import swiglu as glu_ops
+
+_M = TypeVar("_M")
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How one transformers family names and wires the pieces that get fused."""
+
+    prefix: str  # class-name prefix in the modeling module: "Llama" -> LlamaRMSNorm, LlamaMLP, LlamaAttention, ...
+    gemma_norm: bool = False  # RMSNorm scales by (1 + w), all in fp32, weight stored as w ("eps" attribute)
+    act_attr: str = "hidden_act"  # config attribute naming the MLP activation
+    fused_gate_up: bool = False  # one gate_up_proj whose output is [gate | up] (Phi-3)
+    # Norms whose output feeds only linear projections: their backward may overwrite the incoming
+    # gradient. Never a norm whose output is added to the residual stream (Gemma 2's post-norms): the
+    # residual branch reads that same gradient tensor.
+    in_place_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+
+
+FAMILIES: dict[str, _Family] = {
+    "llama": _Family("Llama"),
+    "mistral": _Family("Mistral"),
+    "qwen2": _Family("Qwen2"),
+    "qwen3": _Family("Qwen3"),
+    "gemma": _Family("Gemma", gemma_norm=True),
+    "gemma2": _Family(
+        "Gemma2", gemma_norm=True, act_attr="hidden_activation",
+        in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
+    ),
+    "phi3": _Family("Phi3", fused_gate_up=True),
+}  # fmt: skip
+"""Model types (``config.model_type``) that :func:`patch` supports."""
+
+
+def _family(model_type: object) -> _Family:
+    if model_type not in FAMILIES:
+        raise ValueError(f"model type {model_type!r} is not supported: expected one of {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def _modeling(model_type: str) -> types.ModuleType:
+    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The registry: every attribute replaced on a module or class, with the original it displaced.
+
+
+class _Swap:
+    """``owner.name`` replaced for as long as at least one holder (a patched model or a patched family) needs
+    it; the original comes back when the last holder lets go."""
+
+    def __init__(self, original: object) -> None:
+        self.original = original
+        self.holders: weakref.WeakSet = weakref.WeakSet()
+
+
+_SWAPS: dict[tuple[object, str], _Swap] = {}
+
+
+def _original(owner: object, name: str) -> Any:
+    """``owner.name`` as transformers defined it, whether or not it is swapped now."""
+    swap = _SWAPS.get((owner, name))
+    return swap.original if swap is not None else vars(owner)[name]
+
+
+def _hold(owner: object, name: str, replacement: object, holder: object) -> None:
+    swap = _SWAPS.get((owner, name))
+    if swap is None:
+        swap = _SWAPS[(owner, name)] = _Swap(vars(owner)[name])
+        setattr(owner, name, replacement)
+    swap.holders.add(holder)
+
+
+def _release(owner: object, name: str, holder: object) -> None:
+    swap = _SWAPS.get((owner, name))
+    if swap is None:
+        return
+    swap.holders.discard(holder)
+    if not swap.holders:
+        setattr(owner, name, swap.original)
+        del _SWAPS[(owner, name)]
+
+
+class _FamilyPatch:
+    """What ``patch(model_type)`` holds, so ``unpatch(model_type)`` lets go of exactly that."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[object, str]] = []
+
+
+_FAMILY_PATCHES: dict[str, _FamilyPatch] = {}
+
+# Fused subclass of each transformers class, and the way back.
+_FUSED: dict[type, type] = {}
+_UNFUSED: dict[type, type] = {}
+
+
+def _fused_subclass(original: type, forward: Callable[..., torch.Tensor], **attributes: object) -> type:
+    """A subclass of ``original`` that only overrides ``forward`` (made once per class)."""
+    if original not in _FUSED:
+        namespace = {"forward": forward, "__module__": __name__, "__doc__": f"{original.__name__} on liger_lab kernels"}
+        fused = type(f"Fused{original.__name__}", (original,), {**namespace, **attributes})
+        _FUSED[original], _UNFUSED[fused] = fused, original
+    return _FUSED[original]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fused forwards of the modules.
+
+
+def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm_ops.rms_norm(
+        hidden_states, self.weight, self.variance_epsilon, in_place_backward=self.in_place_backward
+    )
+
+
+def _gemma_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return rms_norm_ops.rms_norm(
+        x, self.weight, self.eps, offset=1.0, casting_mode="gemma", in_place_backward=self.in_place_backward
+    )
+
+
+def _norm_class(family: _Family, original: type) -> type:
+    forward = _gemma_rms_norm_forward if family.gemma_norm else _llama_rms_norm_forward
+    # A class-level default; patch(model) turns it on per module where the gradient may be reused.
+    return _fused_subclass(original, forward, in_place_backward=False)
+
+
+def _gated_kernel(activation: object) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The fused ``act(gate) * up`` for a transformers activation name, None when there is none."""
+    if activation in SwiGLUMLP.hf_activations:
+        return glu_ops.swiglu
+    if activation in GeGLUMLP.hf_activations:
+        return glu_ops.geglu
+    return None
+
+
+def _mlp_class(family: _Family, original: type) -> type:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = _gated_kernel(getattr(self.config, family.act_attr, None))
+        if kernel is None:  # an activation with no fused kernel: keep transformers' computation
+            return original.forward(self, x)
+        if family.fused_gate_up:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        # gate and up are fresh projection outputs read by nothing else: the backward may overwrite them.
+        return self.down_proj(kernel(gate, up, in_place_backward=True))
+
+    return _fused_subclass(original, forward)
+
+
+def _fused_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` on the fused kernel, partial rotary included (Phi-3 with
+    ``partial_rotary_factor < 1``: only the first ``cos.shape[-1]`` features of each head rotate)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == q.shape[-1]:
+        return rope_ops.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    q_rot, k_rot = rope_ops.apply_rotary_pos_emb(
+        q[..., :rotary_dim], k[..., :rotary_dim], cos, sin, unsqueeze_dim=unsqueeze_dim
+    )
+    return torch.cat([q_rot, q[..., rotary_dim:]], dim=-1), torch.cat([k_rot, k[..., rotary_dim:]], dim=-1)
+
+
+class _FusedRope:
+    """How many forwards of fused attentions are running: the rope dispatcher's switch."""
+
+    depth = 0
+
+
+def _attention_class(original: type) -> type:
+    def forward(self, *args, **kwargs):
+        _FusedRope.depth += 1
+        try:
+            return original.forward(self, *args, **kwargs)
+        finally:
+            _FusedRope.depth -= 1
+
+    return _fused_subclass(original, forward)
+
+
+_DISPATCHERS: dict[types.ModuleType, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _rope_dispatcher(modeling: types.ModuleType) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """What replaces ``modeling.apply_rotary_pos_emb``: the fused kernel inside a fused attention's
+    forward, transformers' function in every other model of the family."""
+    if modeling not in _DISPATCHERS:
+        original = _original(modeling, "apply_rotary_pos_emb")
+
+        @functools.wraps(original)
+        def apply_rotary_pos_emb(*args, **kwargs):
+            return (_fused_rotary_pos_emb if _FusedRope.depth else original)(*args, **kwargs)
+
+        _DISPATCHERS[modeling] = apply_rotary_pos_emb
+    return _DISPATCHERS[modeling]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The causal-LM forward.
+
+_LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+
+
+def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """transformers' ``logits_to_keep`` selection: last n positions (0: all), or given positions or a mask."""
+    if isinstance(logits_to_keep, int):
+        return hidden[:, slice(-logits_to_keep, None), :]
+    if logits_to_keep.ndim == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden[logits_to_keep]
+        return torch.take_along_dim(hidden, logits_to_keep[..., None], dim=1)
+    return hidden[:, logits_to_keep, :]
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _causal_lm_forward(original: Callable[..., Any], *, fused: bool, cross_entropy: bool) -> Callable[..., Any]:
+    """Wrap a transformers ``...ForCausalLM.forward`` so the loss runs on liger_lab's kernels.
+
+    ``skip_logits`` (keyword only, not in transformers) chooses explicitly: True computes the fused loss
+    without logits, False returns logits; by default the fused loss runs when training with labels.
+    """
+    signature = inspect.signature(original)  # follows __wrapped__ through transformers' decorators
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        skip_logits = kwargs.pop("skip_logits", None)
+        bound = signature.bind(self, *args, **kwargs)
+        if bound.arguments.get("labels") is None:
+            if skip_logits:
+                raise ValueError("skip_logits=True computes the loss without logits: expected labels")
+            return original(self, *args, **kwargs)
+        use_fused = fused and (self.training if skip_logits is None else skip_logits)
+        if not use_fused and not cross_entropy:
+            return original(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        del arguments[next(iter(signature.parameters))]  # self
+        extra = arguments.pop(var_keyword, {}) if var_keyword else {}
+        return _loss_forward(self, arguments, extra, fused=use_fused)
+
+    forward.liger_lab_patched = True
+    return forward
+
+
+def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, Any], *, fused: bool):
+    """transformers' causal-LM forward with the loss computed by liger_lab's kernels."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    labels = arguments.pop("labels")
+    logits_to_keep = arguments.pop("logits_to_keep", 0)
+    return_dict = extra.pop("return_dict", None)
+    loss_kwargs = {name: extra.pop(name) for name in _LOSS_KWARGS if name in extra}
+    outputs = getattr(self, self.base_model_prefix)(**arguments, **extra)
+
+    kept = _keep_positions(outputs[0], logits_to_keep)
+    hidden = kept.reshape(-1, kept.shape[-1])
+    ignore_index = loss_kwargs.get("ignore_index", -100)
+    shift_labels = loss_kwargs.get("shift_labels")
+    if shift_labels is None:  # position t predicts token t + 1; the last position predicts nothing
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(hidden.device)
+    if target.numel() != hidden.shape[0]:
+        raise ValueError(
+            f"labels give {target.numel()} targets but the model kept {hidden.shape[0]} positions: expected one "
+            "label per kept position (logits_to_keep must keep every position when labels are given)"
+        )
+    num_items = loss_kwargs.get("num_items_in_batch")
+    reduction = "mean" if num_items is None else "sum"
+    softcap = getattr(self.config, "final_logit_softcapping", None)
+
+    head, logits = self.lm_head, None
+    if fused and type(head) is nn.Linear:
+        weight, bias = head.weight, head.bias
+        dtype = _autocast_dtype(hidden.device)
+        if dtype is not None:  # what autocast would have done to the lm_head's matmul
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        loss = flce_ops.fused_linear_cross_entropy(
+            hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap
+        )
+    else:
+        logits = head(kept)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        # The kernel writes the gradient over the logits it is given: give it an fp32 copy (what
+        # transformers' loss makes too), so the logits returned stay logits.
+        loss = ce_ops.cross_entropy(
+            logits.to(torch.float32, copy=True).reshape(-1, logits.shape[-1]), target, ignore_index=ignore_index,
+            reduction=reduction,
+        )  # fmt: skip
+    loss = loss.float()  # fp32 like transformers' loss (the kernels return the logits' or hidden's dtype)
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+
+    carried = {f.name: getattr(outputs, f.name, None) for f in fields(CausalLMOutputWithPast)}
+    output = CausalLMOutputWithPast(**{**carried, "loss": loss, "logits": logits})
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    return output if return_dict else output.to_tuple()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public API.
+
+
+@dataclass(frozen=True)
+class _Options:
+    rms_norm: bool
+    rope: bool
+    swiglu: bool
+    cross_entropy: bool
+    fused_linear_cross_entropy: bool
+
+    @property
+    def loss(self) -> bool:
+        return self.cross_entropy or self.fused_linear_cross_entropy
+
+
+def patch(
+    model_or_model_type: _M,
+    *,
+    rms_norm: bool = True,
+    rope: bool = True,
+    swiglu: bool = True,
+    cross_entropy: bool = False,
+    fused_linear_cross_entropy: bool = True,
+) -> _M:
+    """Run a transformers model (or every model of a family built from now on) on liger_lab's kernels.
+
+    ``model_or_model_type`` is a model type string (``"llama"``, one of :data:`FAMILIES`), which patches
+    the family's classes, or a model instance (a PEFT wrapper is looked through), patched in place with
+    its parameters and state dict unchanged. ``swiglu`` covers the gated MLP of every family (GeGLU for
+    Gemma). ``fused_linear_cross_entropy`` computes the training loss without logits;
+    ``cross_entropy`` computes the loss from logits with the fused cross-entropy kernel whenever logits
+    are returned with labels. Patching again replaces the previous patch. Returns its argument.
+    """
+    options = _Options(rms_norm, rope, swiglu, cross_entropy, fused_linear_cross_entropy)
+    if isinstance(model_or_model_type, str):
+        _unpatch_family(model_or_model_type)
+        _patch_family(model_or_model_type, options)
+    else:
+        model = _unwrap(model_or_model_type)
+        _unpatch_model(model)
+        _patch_model(model, options)
+    return model_or_model_type
+
+
+def unpatch(model_or_model_type: _M) -> _M:
+    """Undo :func:`patch`: the transformers classes, functions and forwards come back exactly. Returns its
+    argument. A model built while its family was patched gets its modules' transformers classes back too."""
+    if isinstance(model_or_model_type, str):
+        _unpatch_family(model_or_model_type)
+    else:
+        _unpatch_model(_unwrap(model_or_model_type))
+    return model_or_model_type
+
+
+def _unwrap(model: object) -> nn.Module:
+    """The transformers model inside ``model`` (itself, or the model a PEFT wrapper holds)."""
+    from transformers import PreTrainedModel
+
+    seen = model
+    for _ in range(4):  # PeftModel -> LoraModel -> the transformers model
+        if isinstance(model, PreTrainedModel):
+            return model
+        get_base_model = getattr(model, "get_base_model", None)
+        if callable(get_base_model):
+            inner = get_base_model()
+        else:
+            inner = getattr(getattr(model, "base_model", None), "model", None)
+        if inner is None or inner is model:
+            break
+        model = inner
+    raise ValueError(
+        f"cannot patch a {type(seen).__name__}: expected a model type string or a transformers PreTrainedModel "
+        "(possibly wrapped by PEFT)"
+    )
+
+
+def _fused_classes(family: _Family, modeling: types.ModuleType, options: _Options) -> dict[str, tuple[type, type]]:
+    """Name in the modeling module -> (transformers class, its fused subclass), for the pieces asked for."""
+    makers = {
+        "RMSNorm": (options.rms_norm, functools.partial(_norm_class, family)),
+        "MLP": (options.swiglu, functools.partial(_mlp_class, family)),
+        "Attention": (options.rope, _attention_class),
+    }
+    classes = {}
+    for suffix, (wanted, make) in makers.items():
+        if wanted:
+            name = family.prefix + suffix
+            original = _original(modeling, name)
+            classes[name] = (original, make(original))
+    return classes
+
+
+def _loss_forward_of(family: _Family, modeling: types.ModuleType, options: _Options):
+    causal_lm = getattr(modeling, f"{family.prefix}ForCausalLM")
+    original = _original(causal_lm, "forward")
+    forward = _causal_lm_forward(
+        original, fused=options.fused_linear_cross_entropy, cross_entropy=options.cross_entropy
+    )
+    return causal_lm, original, forward
+
+
+def _patch_family(model_type: str, options: _Options) -> None:
+    family, modeling = _family(model_type), _modeling(model_type)
+    record = _FAMILY_PATCHES[model_type] = _FamilyPatch()
+    replacements = [(modeling, name, fused) for name, (_, fused) in _fused_classes(family, modeling, options).items()]
+    if options.rope:
+        replacements.append((modeling, "apply_rotary_pos_emb", _rope_dispatcher(modeling)))
+    if options.loss:
+        causal_lm, _, forward = _loss_forward_of(family, modeling, options)
+        replacements.append((causal_lm, "forward", forward))
+    for owner, name, replacement in replacements:
+        _hold(owner, name, replacement, record)
+        record.held.append((owner, name))
+
+
+def _unpatch_family(model_type: str) -> None:
+    _family(model_type)
+    record = _FAMILY_PATCHES.pop(model_type, None)
+    for owner, name in record.held if record is not None else ():
+        _release(owner, name, record)
+
+
+def _patch_model(model: nn.Module, options: _Options) -> None:
+    model_type = getattr(model.config, "model_type", None)
+    family, modeling = _family(model_type), _modeling(model_type)
+    classes = _fused_classes(family, modeling, options)
+    activation = getattr(model.config, family.act_attr, None)
+    if options.swiglu and _gated_kernel(activation) is None:
+        warnings.warn(f"no fused kernel for the MLP activation {activation!r}: the MLP stays as it is", stacklevel=3)
+        del classes[f"{family.prefix}MLP"]
+    fused_of = dict(classes.values())
+    for name, module in model.named_modules():
+        fused = fused_of.get(type(module))
+        if fused is None:
+            continue
+        module.__class__ = fused
+        if fused.__name__.endswith("RMSNorm") and name.rpartition(".")[2] in family.in_place_norms:
+            module.in_place_backward = True
+    if options.rope:
+        _hold(modeling, "apply_rotary_pos_emb", _rope_dispatcher(modeling), model)
+    causal_lm, original_forward, forward = _loss_forward_of(family, modeling, options)
+    # A subclass with its own forward, or a family patched at class level, keeps the forward it has.
+    if options.loss and isinstance(model, causal_lm) and type(model).forward is original_forward:
+        model.forward = types.MethodType(forward, model)
+
+
+def _unpatch_model(model: nn.Module) -> None:
+    model_type = getattr(model.config, "model_type", None)
+    _family(model_type)
+    for module in model.modules():
+        original = _UNFUSED.get(type(module))
+        if original is not None:
+            module.__class__ = original
+            module.__dict__.pop("in_place_backward", None)
+    if getattr(getattr(model.__dict__.get("forward"), "__func__", None), "liger_lab_patched", False):
+        del model.forward
+    _release(_modeling(model_type), "apply_rotary_pos_emb", model)

@@ -1,0 +1,292 @@
+"""liger_lab.patch / unpatch on tiny random transformers models (built from configs, nothing downloaded).
+
+Every check compares a patched model with an unpatched copy holding the same weights: the loss and
+the gradient of every parameter, in fp32. Shapes are tiny because every kernel runs in Triton's
+interpreter on CPU.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import liger_lab
+from liger_lab import patching, runtime
+from liger_lab.checks import relative_l2_error
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, BATCH, SEQ = 101, 2, 8
+LOSS_TOL = 1e-4
+GRAD_TOL = 1e-3
+
+# Per family: what makes its tiny config exercise the family's peculiarities.
+FAMILY_CONFIG = {
+    "llama": {},
+    "mistral": {"sliding_window": 4},
+    "qwen2": {},
+    "qwen3": {},  # q_norm / k_norm over head_dim before the rotary embedding
+    "gemma": {},  # (1 + w) RMSNorm, GeGLU, tied embeddings
+    "gemma2": {"final_logit_softcapping": 2.0, "query_pre_attn_scalar": 8, "sliding_window": 4},
+    "phi3": {"partial_rotary_factor": 0.5},  # fused gate_up_proj, half the head dims rotate
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    # initializer_range 0.2 (not 0.02) gives logits of order one, so a softcap or a wrong shift shows.
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, initializer_range=0.2,
+    )  # fmt: skip
+    return transformers.AutoConfig.for_model(model_type, **{**settings, **FAMILY_CONFIG[model_type], **overrides})
+
+
+def tiny_model(model_type: str, **overrides):
+    """A random causal LM whose norm weights are random too, so a wrong offset or casting shows."""
+    config = tiny_config(model_type, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(runtime.DEVICE)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0 if "gemma" in model_type else 1.0, 0.3)
+    return model.train()
+
+
+def batch(vocab: int = VOCAB, batch_size: int = BATCH, seq: int = SEQ):
+    input_ids = torch.randint(0, vocab, (batch_size, seq), device=runtime.DEVICE)
+    labels = input_ids.clone()
+    labels[0, :3] = -100  # a prompt whose tokens are not trained on
+    return input_ids, labels
+
+
+def loss_and_grads(model, input_ids, labels, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, labels=labels, **kwargs)
+    out.loss.backward()
+    return out, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same_training_step(patched, reference, input_ids, labels, **kwargs):
+    ours, our_grads = loss_and_grads(patched, input_ids, labels, **kwargs)
+    theirs, their_grads = loss_and_grads(reference, input_ids, labels, **kwargs)
+    assert relative_l2_error(ours.loss, theirs.loss) < LOSS_TOL, (ours.loss.item(), theirs.loss.item())
+    assert our_grads.keys() == their_grads.keys()
+    for name, grad in our_grads.items():
+        err = relative_l2_error(grad, their_grads[name])
+        assert err < GRAD_TOL, f"grad {name}: rel L2 {err:.2e}"
+    return ours, theirs
+
+
+def fused_class_names(model) -> set[str]:
+    return {type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Fused")}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIG))
+def test_every_family_trains_like_transformers(model_type):
+    reference = tiny_model(model_type)
+    model = liger_lab.patch(copy.deepcopy(reference))
+    prefix = patching.FAMILIES[model_type].prefix
+    assert fused_class_names(model) == {f"Fused{prefix}{piece}" for piece in ("RMSNorm", "MLP", "Attention")}
+    assert "forward" in model.__dict__
+    ours, _ = assert_same_training_step(model, reference, *batch())
+    assert ours.logits is None  # the fused loss never built them
+    liger_lab.unpatch(model)
+
+
+def test_eval_mode_returns_logits_and_transformers_loss():
+    reference = tiny_model("llama").eval()
+    model = liger_lab.patch(copy.deepcopy(reference))
+    input_ids, labels = batch()
+    with torch.no_grad():
+        ours, theirs = model(input_ids=input_ids, labels=labels), reference(input_ids=input_ids, labels=labels)
+    assert relative_l2_error(ours.logits, theirs.logits) < 1e-5
+    assert relative_l2_error(ours.loss, theirs.loss) < LOSS_TOL
+    liger_lab.unpatch(model)
+
+
+def test_gradient_accumulation_normaliser_and_tuple_output():
+    reference = tiny_model("gemma2")
+    model = liger_lab.patch(copy.deepcopy(reference))
+    input_ids, labels = batch()
+    # The Trainer passes the number of target tokens of the whole accumulated batch: sum / that count.
+    num_items = torch.tensor(23)
+    assert_same_training_step(model, reference, input_ids, labels, num_items_in_batch=num_items)
+    out = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items, return_dict=False)
+    assert isinstance(out, tuple) and out[0].ndim == 0
+    liger_lab.unpatch(model)
+
+
+def test_logits_on_request_and_logits_to_keep():
+    reference = tiny_model("llama")
+    model = liger_lab.patch(copy.deepcopy(reference))
+    input_ids, labels = batch()
+    ours, theirs = assert_same_training_step(model, reference, input_ids, labels, skip_logits=False)
+    assert relative_l2_error(ours.logits, theirs.logits) < 1e-5
+    kept = model(input_ids=input_ids, logits_to_keep=3).logits
+    assert kept.shape == (BATCH, 3, VOCAB)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(input_ids=input_ids, labels=labels, logits_to_keep=3)
+    with pytest.raises(ValueError, match="expected labels"):
+        model(input_ids=input_ids, skip_logits=True)
+    liger_lab.unpatch(model)
+
+
+def test_shift_labels_and_ignore_index_are_honoured():
+    reference = tiny_model("qwen2")
+    model = liger_lab.patch(copy.deepcopy(reference))
+    input_ids, _ = batch()
+    shift_labels = torch.roll(input_ids, -1, dims=1)
+    shift_labels[:, -1] = 7  # 7 plays the ignored label here
+    assert_same_training_step(model, reference, input_ids, input_ids, shift_labels=shift_labels, ignore_index=7)
+    liger_lab.unpatch(model)
+
+
+def test_cross_entropy_instead_of_the_fused_linear_loss():
+    reference = tiny_model("gemma2")
+    model = liger_lab.patch(copy.deepcopy(reference), cross_entropy=True, fused_linear_cross_entropy=False)
+    ours, theirs = assert_same_training_step(model, reference, *batch())
+    assert relative_l2_error(ours.logits, theirs.logits) < 1e-5  # softcapped like transformers'
+    liger_lab.unpatch(model)
+
+
+def test_options_choose_what_is_patched():
+    model = liger_lab.patch(tiny_model("llama"), rms_norm=False, rope=False, swiglu=True,
+                            fused_linear_cross_entropy=False)  # fmt: skip
+    assert fused_class_names(model) == {"FusedLlamaMLP"}
+    assert "forward" not in model.__dict__
+    modeling = patching._modeling("llama")
+    assert modeling.apply_rotary_pos_emb is patching._original(modeling, "apply_rotary_pos_emb")
+    liger_lab.unpatch(model)
+
+
+def test_unpatch_restores_the_model_exactly():
+    model = tiny_model("qwen3").eval()
+    modeling = patching._modeling("qwen3")
+    rope_before = modeling.apply_rotary_pos_emb
+    classes = {name: type(m) for name, m in model.named_modules()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    input_ids, _ = batch()
+    with torch.no_grad():
+        before = model(input_ids=input_ids).logits
+
+    liger_lab.patch(model)
+    assert modeling.apply_rotary_pos_emb is not rope_before
+    assert model.state_dict().keys() == state.keys()
+    liger_lab.unpatch(model)
+
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert "forward" not in model.__dict__ and not any("in_place_backward" in vars(m) for m in model.modules())
+    assert modeling.apply_rotary_pos_emb is rope_before
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=input_ids).logits, before)
+
+
+def test_rope_stays_swapped_while_any_patched_model_holds_it():
+    modeling = patching._modeling("llama")
+    original = modeling.apply_rotary_pos_emb
+    first, second = liger_lab.patch(tiny_model("llama")), liger_lab.patch(tiny_model("llama"))
+    liger_lab.unpatch(first)
+    assert modeling.apply_rotary_pos_emb is not original
+    liger_lab.unpatch(second)
+    assert modeling.apply_rotary_pos_emb is original
+
+
+def test_only_patched_models_run_the_fused_rope(monkeypatch):
+    calls = []
+    fused = patching.rope_ops.apply_rotary_pos_emb
+    monkeypatch.setattr(patching.rope_ops, "apply_rotary_pos_emb", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    reference = tiny_model("llama", num_hidden_layers=2)
+    model = liger_lab.patch(copy.deepcopy(reference))
+    input_ids, _ = batch()
+    with torch.no_grad():
+        reference(input_ids=input_ids)
+        assert not calls  # the family's function is swapped, but this model's attention is transformers'
+        model(input_ids=input_ids)
+        assert len(calls) == 2  # one per layer
+    liger_lab.unpatch(model)
+
+
+def test_patching_by_model_type_patches_the_classes():
+    modeling = patching._modeling("llama")
+    names = ("LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "apply_rotary_pos_emb")
+    originals = {name: getattr(modeling, name) for name in names}
+    forward = modeling.LlamaForCausalLM.forward
+    reference = tiny_model("llama")
+    liger_lab.patch("llama")
+    try:
+        assert modeling.LlamaRMSNorm.__name__ == "FusedLlamaRMSNorm"
+        assert issubclass(modeling.LlamaMLP, originals["LlamaMLP"])
+        assert modeling.LlamaForCausalLM.forward is not forward
+        torch.manual_seed(1)
+        model = transformers.AutoModelForCausalLM.from_config(reference.config).to(runtime.DEVICE).train()
+        model.load_state_dict(reference.state_dict())
+        assert fused_class_names(model) == {"FusedLlamaRMSNorm", "FusedLlamaMLP", "FusedLlamaAttention"}
+        assert "forward" not in model.__dict__  # the class forward already is the fused one
+        ours, _ = assert_same_training_step(model, reference, *batch())
+        assert ours.logits is None
+    finally:
+        liger_lab.unpatch("llama")
+    assert all(getattr(modeling, name) is original for name, original in originals.items())
+    assert modeling.LlamaForCausalLM.forward is forward
+
+
+def test_peft_wrapped_model():
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], init_lora_weights=False
+    )  # fmt: skip  (random B too, so every LoRA gradient is non-zero)
+    reference = peft.get_peft_model(tiny_model("mistral"), lora)
+    model = copy.deepcopy(reference)
+    assert liger_lab.patch(model) is model
+    assert fused_class_names(model) == {"FusedMistralRMSNorm", "FusedMistralMLP", "FusedMistralAttention"}
+    ours, _ = assert_same_training_step(model, reference, *batch())
+    assert ours.logits is None
+    liger_lab.unpatch(model)
+    assert not fused_class_names(model)
+
+
+def test_gradient_checkpointing():
+    reference = tiny_model("llama")
+    reference.gradient_checkpointing_enable()
+    model = liger_lab.patch(copy.deepcopy(reference))
+    assert_same_training_step(model, reference, *batch())
+    liger_lab.unpatch(model)
+
+
+def test_gemma2_norms_added_to_the_residual_never_reuse_their_gradient():
+    model = liger_lab.patch(tiny_model("gemma2"))
+    layer = model.model.layers[0]
+    assert layer.input_layernorm.in_place_backward and layer.pre_feedforward_layernorm.in_place_backward
+    assert not layer.post_attention_layernorm.in_place_backward
+    assert not layer.post_feedforward_layernorm.in_place_backward
+    assert not model.model.norm.in_place_backward
+    liger_lab.unpatch(model)
+
+
+def test_mlp_with_an_activation_without_kernel_is_left_alone():
+    reference = tiny_model("llama", hidden_act="relu")
+    model = copy.deepcopy(reference)
+    with pytest.warns(UserWarning, match="relu"):
+        liger_lab.patch(model)
+    assert fused_class_names(model) == {"FusedLlamaRMSNorm", "FusedLlamaAttention"}
+    assert_same_training_step(model, reference, *batch())
+    liger_lab.unpatch(model)
+
+
+def test_unsupported_models_raise():
+    with pytest.raises(ValueError, match="expected one of .*'llama'"):
+        liger_lab.patch("bert")
+    with pytest.raises(ValueError, match="expected one of"):
+        liger_lab.unpatch("gpt2")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="'gpt2' is not supported"):
+        liger_lab.patch(gpt2)
+    with pytest.raises(ValueError, match="PreTrainedModel"):
+        liger_lab.patch(torch.nn.Linear(2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        liger_lab.unpatch(tiny_model("llama"))  # unpatching an unpatched model changes nothing
