@@ -1,0 +1,5 @@
+"""``python -m liger_lab`` is the ``liger-lab`` command line."""
+
+from liger_lab.cli import main
+
+main()
