@@ -2,6 +2,7 @@
 
     python benchmarks/run.py                 # protocol shapes on the GPU (minutes)
     python benchmarks/run.py --quick         # smaller shapes, a short sweep
+    python benchmarks/run.py --short-sweep   # protocol shapes, a short sweep
     python benchmarks/run.py --op rms_norm   # some ops only
 
 Writes ``benchmarks/results/<name>.json`` (one row per measurement, each with the GPU name and the
@@ -132,6 +133,7 @@ def default_name(quick: bool) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes and a short sweep")
+    parser.add_argument("--short-sweep", action="store_true", help="protocol shapes, but the short norm sweep")
     parser.add_argument("--op", action="append", choices=list(bench.OPS), help="op to run (repeatable; default all)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the norm sweep over hidden size and tokens")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder")
@@ -158,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep: list[dict] = []
     norms = [n for n in NORMS if n in ops]
     if norms and not args.no_sweep:
-        hiddens, token_counts = sweep_sizes(args.quick)
+        hiddens, token_counts = sweep_sizes(args.quick or args.short_sweep)
         sweep, sweep_failures = norm_sweep(norms, hiddens, token_counts)
         failures += sweep_failures
         print("\n".join(winners(sweep)))
