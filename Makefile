@@ -24,7 +24,7 @@ test: torch
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check liger_lab tests benchmarks
 	$(BIN)/python -m liger_lab.chapters --check
-	$(BIN)/pytest -q -n 2 tests solutions --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n 2 --dist loadscope tests solutions --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
 
 lint: torch
 	$(BIN)/ruff check .
