@@ -69,7 +69,8 @@ class OpBench:
                     lambda: self.make_inputs(shape, dtype),
                     fwd_bytes=profiling.bytes_moved(n, self.fwd_passes, dtype),
                     full_bytes=profiling.bytes_moved(n, self.full_passes, dtype) if self.full_passes else None,
-                    full_flops=self.flops(shape) if self.flops else None, graph=self.graph_timing,
+                    full_flops=self.flops(shape) if self.flops else None,
+                    graph=self.graph_timing,
                 )  # fmt: skip
             )
             torch.cuda.empty_cache() if not runtime.INTERPRET else None

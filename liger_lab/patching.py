@@ -122,15 +122,20 @@ def _hold(owner: object, name: str, replacement: object, holder: object) -> None
     if swap is None:
         swap = _SWAPS[(owner, name)] = _Swap(vars(owner)[name])
         setattr(owner, name, replacement)
+    if holder not in swap.holders:
+        # A patched model that is garbage-collected without unpatch lets go too.
+        weakref.finalize(holder, _release, owner, name, None).atexit = False
     swap.holders.add(holder)
 
 
-def _release(owner: object, name: str, holder: object) -> None:
+def _release(owner: object, name: str, holder: object | None) -> None:
     swap = _SWAPS.get((owner, name))
     if swap is None:
         return
-    swap.holders.discard(holder)
-    if not swap.holders:
+    if holder is not None:
+        swap.holders.discard(holder)
+    # Iterating a WeakSet skips holders that are being collected right now.
+    if not any(True for _ in swap.holders):
         setattr(owner, name, swap.original)
         del _SWAPS[(owner, name)]
 
@@ -336,7 +341,14 @@ def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, A
             hidden, weight = hidden.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
         loss = flce_ops.fused_linear_cross_entropy(
-            hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap
+            hidden,
+            weight,
+            target,
+            bias,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            softcap=softcap,
+            loss_dtype=torch.float32,
         )
     else:
         logits = head(kept)

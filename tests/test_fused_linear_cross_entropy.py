@@ -64,6 +64,24 @@ def test_any_chunk_size_gives_the_same_result(chunk_tokens):
     assert _check(inputs(n=12), chunk_tokens=chunk_tokens)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp32_loss_of_fp16_inputs_is_not_rounded(reduction):
+    hidden, weight, target = inputs(dtype=torch.float16)
+    rounded = liger_lab.fused_linear_cross_entropy(hidden, weight, target, chunk_tokens=CHUNK, reduction=reduction)
+    exact = liger_lab.fused_linear_cross_entropy(
+        hidden, weight, target, chunk_tokens=CHUNK, reduction=reduction, loss_dtype=torch.float32
+    )
+    assert rounded.dtype == torch.float16 and exact.dtype == torch.float32
+    expected = reference.fused_linear_cross_entropy(hidden.double(), weight.double(), target, reduction=reduction)
+    assert relative_l2_error(exact, expected) < 1e-3
+    torch.testing.assert_close(exact.half(), rounded)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = liger_lab.fused_linear_cross_entropy(h, w, target, chunk_tokens=CHUNK, loss_dtype=torch.float32)
+    assert _check([hidden, weight, target], chunk_tokens=CHUNK) and loss.dtype == torch.float32
+    loss.backward()
+    assert h.grad.dtype == torch.float16 and w.grad.dtype == torch.float16
+
+
 def test_3d_hidden_and_target():
     hidden, weight, _ = inputs()
     assert _check([randn(2, 9, H), weight, targets((2, 9), V)], chunk_tokens=5, reduction="none")

@@ -6,6 +6,7 @@ interpreter on CPU.
 """
 
 import copy
+import gc
 import warnings
 
 import pytest
@@ -31,6 +32,13 @@ FAMILY_CONFIG = {
     "gemma2": {"final_logit_softcapping": 2.0, "query_pre_attn_scalar": 8, "sliding_window": 4},
     "phi3": {"partial_rotary_factor": 0.5},  # fused gate_up_proj, half the head dims rotate
 }
+
+
+@pytest.fixture(autouse=True)
+def _no_patched_models_left_over():
+    """Models patched by other tests in this process let go of shared swaps once collected."""
+    gc.collect()
+    yield
 
 
 def tiny_config(model_type: str, **overrides):
@@ -183,6 +191,16 @@ def test_unpatch_restores_the_model_exactly():
         assert torch.equal(value, state[key])
     with torch.no_grad():
         assert torch.equal(model(input_ids=input_ids).logits, before)
+
+
+def test_a_collected_patched_model_lets_go_of_the_rope_swap():
+    modeling = patching._modeling("llama")
+    original = modeling.apply_rotary_pos_emb
+    model = liger_lab.patch(tiny_model("llama"))
+    assert modeling.apply_rotary_pos_emb is not original
+    del model
+    gc.collect()
+    assert modeling.apply_rotary_pos_emb is original
 
 
 def test_rope_stays_swapped_while_any_patched_model_holds_it():

@@ -150,7 +150,7 @@ def _token_rows(hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tenso
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, options, n_valid, needs, chunk, acc_dtype):
+    def forward(ctx, hidden, weight, target, bias, options, n_valid, needs, chunk, acc_dtype, loss_dtype):
         rows, flat_target = _token_rows(hidden, target)
         loss = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
         precompute = any(needs) and options.reduction != "none"
@@ -163,7 +163,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
         if any(needs) and not precompute:  # reduction="none": the backward runs the loop again
             ctx.save_for_backward(hidden, weight, bias, target)
-        return reduce_loss(loss, options.reduction, n_valid, hidden.dtype, target.shape)
+        return reduce_loss(loss, options.reduction, n_valid, loss_dtype, target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -193,7 +193,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         grad_w = None if grad_w is None else grad_w.to(ctx.weight_dtype)
         grad_b = None if grad_b is None else grad_b.to(ctx.weight_dtype)
         grad_h = None if grad_h is None else grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, None, grad_b, None, None, None, None, None
+        return grad_h, grad_w, None, grad_b, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -208,6 +208,7 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     chunk_tokens: int | None = None,
     accumulation: str | None = None,
+    loss_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without ever holding the N x V logits.
 
@@ -217,7 +218,10 @@ def fused_linear_cross_entropy(
 
     ``chunk_tokens`` overrides the chunk size derived from :data:`CHUNK_BUDGET_BYTES`;
     ``accumulation`` ("auto", "fp32", "weight_dtype"; default :data:`ACCUMULATION`) picks how dW is
-    summed over chunks. Gradients are computed in the forward (see the module docstring), so the graph
+    summed over chunks. ``loss_dtype`` (default: hidden's dtype, like the reference) is the dtype of the
+    returned loss, which is computed in fp32 either way: training code that logs the loss, as Hugging
+    Face's does in fp32, passes ``torch.float32`` to skip a rounding to bf16 (12.16 becomes 12.19).
+    Gradients are computed in the forward (see the module docstring), so the graph
     can be backpropagated once; with ``reduction="none"`` the backward recomputes the logits instead.
     """
     options = LossOptions(ignore_index, float(label_smoothing), reduction, softcap, 0.0)
@@ -254,5 +258,5 @@ def fused_linear_cross_entropy(
     n_tokens = hidden.shape[:-1].numel()
     chunk = chunk_tokens or chunk_tokens_for(n_tokens, weight.shape[0], hidden.dtype)
     return FusedLinearCrossEntropyFunction.apply(
-        hidden, weight, target, bias, options, n_valid, needs, chunk, acc_dtype
+        hidden, weight, target, bias, options, n_valid, needs, chunk, acc_dtype, loss_dtype or hidden.dtype
     )
