@@ -23,21 +23,34 @@ def _cell(row: dict | None) -> str:
     return f"{row['full_ms']:.3f} ms" + (f", {peak:.0f} MiB" if peak is not None else "")
 
 
-def ops_table(rows: list[dict]) -> str:
-    ops = list(dict.fromkeys(r["op"] for r in rows if "full_ms" in r))
+def ops_table(all_rows: list[dict]) -> str:
+    rows = [r for r in all_rows if "full_ms" in r and "sweep" not in r]  # the protocol shapes only
+    ops = list(dict.fromkeys(r["op"] for r in rows))
     impls = [i for i in IMPLS if any(r.get("impl") == i for r in rows)]
     lines = ["| op (fwd+bwd) | " + " | ".join(HEADERS[i] for i in impls) + " | liger_lab vs Liger |"]
     lines.append("|---" * (len(impls) + 2) + "|")
     for op in ops:
-        by_impl = {r["impl"]: r for r in rows if r["op"] == op and "full_ms" in r}
+        by_impl = {r["impl"]: r for r in rows if r["op"] == op}
         ratio = ""
         if "liger_lab" in by_impl and "liger" in by_impl:
             ratio = f"{by_impl['liger_lab']['full_ms'] / by_impl['liger']['full_ms']:.2f}x time"
         lines.append(f"| {op} | " + " | ".join(_cell(by_impl.get(i)) for i in impls) + f" | {ratio} |")
+    ceilings = {r["op"]: r for r in all_rows if r["op"].startswith("ceiling")}
+    if ceilings:
+        copy, matmul = ceilings.get("ceiling_copy", {}), ceilings.get("ceiling_matmul_bf16", {})
+        lines.append("")
+        lines.append(
+            f"Ceilings measured in the same run: copy {copy.get('gbs', 0):.0f} GB/s, bf16 matmul "
+            f"{matmul.get('tflops', 0):.0f} TFLOP/s."
+        )
     first = rows[0]
     versions = ", ".join(f"{k} {first[k]}" for k in ("torch", "triton", "liger_kernel") if k in first)
     lines.append("")
-    lines.append(f"{first.get('gpu', '?')}; {versions}; median of `do_bench`; peak memory above the inputs.")
+    lines.append(
+        f"{first.get('gpu', '?')}; {versions}. Median GPU time: CUDA-graph replay for the short ops, `do_bench` for "
+        "cross-entropy and the fused linear cross-entropy (they read a value back to the host and cannot be "
+        "captured). Peak memory: MiB allocated above the inputs during one forward+backward."
+    )
     return "\n".join(lines)
 
 
