@@ -1,0 +1,54 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from liger_lab import runtime
+
+needs_cpu_only_machine = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU start-up path")
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+@needs_cpu_only_machine
+def test_import_on_a_machine_without_cuda_switches_to_the_interpreter():
+    done = _python(
+        "import os, torch, liger_lab\n"
+        "y = liger_lab.rms_norm(torch.randn(8, 64), torch.ones(64))\n"
+        "print(os.environ['TRITON_INTERPRET'], tuple(y.shape), bool(torch.isfinite(y).all()))\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "(8,", "64)", "True"]
+
+
+@needs_cpu_only_machine
+def test_triton_imported_first_is_an_error_that_says_how_to_fix_it():
+    done = _python("import triton\nimport liger_lab\n")
+    assert done.returncode != 0
+    assert "RuntimeError" in done.stderr and "import liger_lab` before" in done.stderr
+
+
+def test_pick_and_describe():
+    assert runtime.pick(cpu="small", gpu="big") == ("small" if runtime.INTERPRET else "big")
+    assert "Triton" in runtime.describe()
+
+
+def test_rows_longer_than_a_tile_are_a_value_error():
+    with pytest.raises(ValueError, match="at most"):
+        runtime.row_launch(4, runtime.MAX_ROW_SIZE + 1)
+    with pytest.raises(ValueError, match="at most"):
+        runtime.persistent_row_launch(4, runtime.MAX_ROW_SIZE + 1)
+
+
+@pytest.mark.parametrize("n_rows,n_cols", [(1, 1), (3, 37), (1000, 4096), (70000, 128)])
+def test_launch_settings_fit_the_matrix(n_rows, n_cols):
+    tiled = runtime.row_launch(n_rows, n_cols)
+    assert tiled.block_n >= n_cols and tiled.grid * tiled.rows >= n_rows > (tiled.grid - 1) * tiled.rows
+    persistent = runtime.persistent_row_launch(n_rows, n_cols)
+    # A persistent grid loops over row tiles: never more programs than tiles.
+    assert persistent.block_n >= n_cols and 1 <= persistent.grid * persistent.rows <= n_rows + persistent.rows - 1
