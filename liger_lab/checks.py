@@ -22,14 +22,25 @@ def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def check_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float | None = None) -> bool:
-    """Print a PASS/FAIL line comparing ``actual`` with ``expected``; return whether it passed."""
+def check_close(
+    name: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tol: float | None = None,
+    *,
+    errors: list[float] | None = None,
+) -> bool:
+    """Print a PASS/FAIL line comparing ``actual`` with ``expected``; return whether it passed.
+
+    ``errors``, when given, receives the relative error measured (for callers that tabulate them)."""
     tol = TOLERANCE.get(actual.dtype, 1e-5) if tol is None else tol
     if actual.shape != expected.shape:
         print(f"FAIL {name}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
         return False
     finite = bool(torch.isfinite(actual).all())
     rel = relative_l2_error(actual, expected)
+    if errors is not None:
+        errors.append(rel)
     max_abs = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
     ok = finite and rel <= tol
     note = "" if finite else "  (non-finite values)"
@@ -49,12 +60,14 @@ def check_against_reference(
     *,
     input_names: Sequence[str] | None = None,
     tol: float | None = None,
+    errors: list[float] | None = None,
 ) -> bool:
     """Check ``fn(*inputs)`` and the gradient of every floating input against ``reference`` in float64.
 
     Floating tensors in ``inputs`` are copied with their strides (kernels may reuse their buffers) and given
     ``requires_grad``; the reference gets float64 copies. Each output receives the same random upstream
     gradient in both runs. Prints one line per output and per gradient; returns True when all pass.
+    ``errors``, when given, receives every relative error measured.
     """
     names = list(input_names) if input_names is not None else [f"input {i}" for i in range(len(inputs))]
 
@@ -74,7 +87,7 @@ def check_against_reference(
     ok = True
     for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
         label = "output" if len(outputs) == 1 else f"output {i}"
-        ok &= check_close(f"{name}: {label}", out.detach(), ref.detach(), tol)
+        ok &= check_close(f"{name}: {label}", out.detach(), ref.detach(), tol, errors=errors)
     differentiable = [
         (n, a, b)
         for n, a, b in zip(names, ours, theirs, strict=True)
@@ -93,5 +106,5 @@ def check_against_reference(
                 ok = False
                 continue
             grad_tol = tol if tol is not None else TOLERANCE.get(a.dtype, 1e-5)
-            ok &= check_close(f"{name}: grad {input_name}", grad, ref_grad, grad_tol)
+            ok &= check_close(f"{name}: grad {input_name}", grad, ref_grad, grad_tol, errors=errors)
     return bool(ok)

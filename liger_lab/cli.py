@@ -10,7 +10,6 @@ import contextlib
 import io
 import json
 import math
-import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -126,25 +125,21 @@ def check_dtypes() -> tuple[torch.dtype, ...]:
     return runtime.pick(cpu=(torch.float32, torch.float16), gpu=(torch.float32, torch.bfloat16))
 
 
-_REL_ERROR = re.compile(r"rel L2 (\S+)")
-
-
 def run_case(case: CheckCase) -> CheckResult:
     """Run one check; its printed lines (see :mod:`liger_lab.checks`) become the result's detail."""
-    printed = io.StringIO()
+    printed, errors = io.StringIO(), []
     try:
         with contextlib.redirect_stdout(printed):
             ok = checks.check_against_reference(
-                case.op, case.fn, case.reference, case.inputs, input_names=case.input_names
+                case.op, case.fn, case.reference, case.inputs, input_names=case.input_names, errors=errors
             )
     except Exception as error:  # a kernel that raises is a failed check, not a crashed command
         return CheckResult(
             case.op, DTYPE_NAMES[case.dtype], str(case.shape), None, "FAIL", f"{type(error).__name__}: {error}"
         )
-    lines = printed.getvalue().strip()
-    errors = [float(m) for m in _REL_ERROR.findall(lines)]
     worst = max(errors) if errors else None
-    return CheckResult(case.op, DTYPE_NAMES[case.dtype], str(case.shape), worst, "PASS" if ok else "FAIL", lines)
+    status = "PASS" if ok else "FAIL"
+    return CheckResult(case.op, DTYPE_NAMES[case.dtype], str(case.shape), worst, status, printed.getvalue().strip())
 
 
 def run_checks(ops: Sequence[str] = CHECK_OPS, dtypes: Sequence[torch.dtype] | None = None) -> list[CheckResult]:
@@ -294,14 +289,9 @@ def bench_group() -> None:
 
 def _parse_shape(text: str) -> tuple[int, ...]:
     try:
-        shape = tuple(int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise click.BadParameter(
-            f"{text!r}: expected sizes joined by x, e.g. 8192x4096", param_hint="--shape"
-        ) from None
-    if any(s < 1 for s in shape):
-        raise click.BadParameter(f"{text!r}: expected positive sizes", param_hint="--shape")
-    return shape
+        return e2e.parse_sizes(text)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--shape") from None
 
 
 @bench_group.command("ops", short_help="Time and measure every op, every implementation.")

@@ -424,15 +424,23 @@ def run_isolated(
     return json.loads(lines[-1])
 
 
-def parse_shape(text: str) -> tuple[int, int]:
-    """``"8x2048"`` -> (8, 2048)."""
+def parse_sizes(text: str, expected: str = "sizes joined by x, e.g. 8192x4096") -> tuple[int, ...]:
+    """``"8192x4096"`` -> (8192, 4096): positive sizes joined by x."""
     try:
-        batch, seq = (int(part) for part in text.lower().split("x"))
+        sizes = tuple(int(part) for part in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"shape {text!r}: expected BATCHxSEQ, e.g. 8x2048") from None
-    if batch < 1 or seq < 1:
+        raise ValueError(f"shape {text!r}: expected {expected}") from None
+    if any(size < 1 for size in sizes):
         raise ValueError(f"shape {text!r}: expected positive sizes")
-    return batch, seq
+    return sizes
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"8x2048"`` -> (8, 2048): a batch x sequence-length pair."""
+    sizes = parse_sizes(text, expected="BATCHxSEQ, e.g. 8x2048")
+    if len(sizes) != 2:
+        raise ValueError(f"shape {text!r}: expected BATCHxSEQ, e.g. 8x2048")
+    return sizes
 
 
 def format_runs(rows: Sequence[dict[str, Any]]) -> str:
