@@ -75,7 +75,7 @@ def main() -> None:
         for rows, warps in [(1, 4), (1, 8), (2, 8), (4, 16)]:
             with replaced(runtime, "row_launch", fixed_rows(rows, warps)):
                 rows_out.append({"op": op, "variant": f"fwd rows={rows} warps={warps}", **measure(op)})
-    for block_n, warps in [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32),
+    for block_n, warps in [(4096, 8), (4096, 16), (8192, 8), (8192, 16), (8192, 32), (16384, 16), (16384, 32),
                            (32768, 32)] if "cross_entropy" in groups else ():  # fmt: skip
         with replaced(runtime, "streaming_row_launch", fixed_streaming(block_n, warps)):
             variant = f"block_n={block_n} warps={warps}"

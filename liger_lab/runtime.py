@@ -138,17 +138,18 @@ def streaming_row_launch(n_rows: int, n_cols: int) -> RowLaunch:
     """Tile for kernels that stream rows too long for registers (a vocabulary) in steps of block_n columns.
 
     Each program takes ``rows`` whole rows and loops over their columns. On the GPU a long row gets one
-    program of up to 32768 columns and 32 warps, about one per SM: the rows in flight (132 SMs x 250 KiB
-    for a bf16 row of 128k) fit in L2, so a second pass over the same rows reads L2 instead of HBM.
+    program with 8192-column blocks under 16 warps: with 8192 rows of 128k (bf16) that measured fastest
+    on an H200 once the cross-entropy's second pass ran backwards to reuse L2
+    (benchmarks/notes/cross_entropy.md).
     """
     if INTERPRET:
         # The interpreter's cost is per program and per statement, not per element: few programs, big tiles.
         block_n = min(triton.next_power_of_2(max(n_cols, 1)), 16384)
         rows = min(triton.next_power_of_2(triton.cdiv(n_rows, 2)), max(1, 2**20 // block_n))
         return RowLaunch(block_n, rows, 1, max(1, triton.cdiv(n_rows, rows)))
-    block_n = min(triton.next_power_of_2(max(n_cols, 1)), 2 * _GPU_MAX_TILE)
-    rows = max(1, min(_GPU_MAX_TILE // block_n, 16))
-    num_warps = max(4, min(32, rows * block_n // 1024))
+    block_n = min(triton.next_power_of_2(max(n_cols, 1)), _GPU_MAX_TILE // 2)
+    rows = max(1, min(_GPU_MAX_TILE // 2 // block_n, 16))
+    num_warps = max(4, min(16, rows * block_n // 512))
     return RowLaunch(block_n, rows, num_warps, max(1, triton.cdiv(n_rows, rows)))
 
 
@@ -160,6 +161,27 @@ def elementwise_launch(n_elements: int) -> tuple[int, int, int]:
         return block, 1, triton.cdiv(n_elements, block)
     block = 4096
     return block, 8, triton.cdiv(n_elements, block)
+
+
+def read_later(values: torch.Tensor) -> Callable[[], list]:
+    """Start copying a small tensor to the host without waiting for it; the returned function waits for
+    that copy alone (not for kernels launched after this call) and returns the values as a list.
+
+    A plain ``.tolist()`` stops the host until the GPU has drained its queue, and the GPU then idles
+    until the host launches the next kernel. Reading later lets a big kernel be queued first.
+    """
+    if INTERPRET:
+        return values.tolist
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> list:
+        copied.synchronize()
+        return host.tolist()
+
+    return wait
 
 
 def synchronize() -> None:

@@ -7,6 +7,7 @@ import liger_lab
 from liger_lab import reference, runtime
 from liger_lab.checks import check_against_reference, relative_l2_error
 from liger_lab.nn import CrossEntropyLoss
+from liger_lab.ops.cross_entropy import count_targets
 
 OPTIONS = [
     {},
@@ -147,6 +148,28 @@ def test_int32_targets_and_custom_ignore_index():
     z = randn(20, 100)
     t = targets((20,), 100, ignore_index=0).to(torch.int32)
     assert _check(z, t, ignore_index=0)
+
+
+def test_rows_of_several_blocks():
+    # 40000 columns span several column blocks on the GPU and in the interpreter (pass 2 walks them back).
+    z = randn(3, 40000, scale=3.0)
+    assert _check(z, targets((3,), 40000, ignored_every=0), prepare=lambda z: z.clone(), label_smoothing=0.1)
+
+
+def test_target_counts_span_several_blocks():
+    t = targets((70001,), 50, ignored_every=7)  # more than one 65536-target block in the interpreter
+    t[-1] = 50
+    kept = t[t != -100]
+    counts = count_targets(t, 50, -100).tolist()
+    assert counts == [kept.numel(), 1, kept.min().item(), 50]
+
+
+def test_out_of_range_target_with_grad_is_a_value_error_not_a_wild_read():
+    z = randn(4, 10).requires_grad_()
+    with pytest.raises(ValueError, match=r"e.g. 1000000000"):
+        liger_lab.cross_entropy(z.clone(), indices([0, 1, 10**9, 2]))
+    with pytest.raises(ValueError, match=r"e.g. -7"):
+        liger_lab.cross_entropy(z.clone(), indices([0, -7, 3, 2]), reduction="sum")
 
 
 def test_reference_matches_torch():

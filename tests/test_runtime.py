@@ -52,3 +52,9 @@ def test_launch_settings_fit_the_matrix(n_rows, n_cols):
     persistent = runtime.persistent_row_launch(n_rows, n_cols)
     # A persistent grid loops over row tiles: never more programs than tiles.
     assert persistent.block_n >= n_cols and 1 <= persistent.grid * persistent.rows <= n_rows + persistent.rows - 1
+
+
+def test_read_later_returns_the_values():
+    values = torch.arange(4, device=runtime.DEVICE) * 3
+    read = runtime.read_later(values)
+    assert read() == [0, 3, 6, 9]

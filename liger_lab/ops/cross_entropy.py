@@ -17,9 +17,13 @@ mean divides by the number of other rows, and is 0 when there are none.
 
 Bytes: the gradient has the logits' shape, and a (tokens x 128k) bf16 logits tensor is 2 GiB. One
 program per row reads the row once for the statistics (pass 1), then reads it again and writes the
-gradient *over it* (pass 2): no logits-sized buffer is ever allocated, and with about one row per SM
-the second read comes from L2. The backward only multiplies that buffer by the upstream gradient,
-and skips even that when the upstream gradient is exactly 1 (a plain ``loss.backward()``).
+gradient *over it* (pass 2): no logits-sized buffer is ever allocated. Pass 2 walks the row backwards,
+so the blocks pass 1 read last, the likeliest to still be in L2, are read first: on an H200 that
+brings 8192 x 128k from three HBM passes' time (1.65 ms) to 1.48 ms. The backward only multiplies the
+buffer by the upstream gradient, and skips even that when it is exactly 1 (a plain ``loss.backward()``).
+
+Targets are checked (count of kept rows, any class index out of range) by a small kernel whose result
+the host reads only after the big kernel is queued, so the GPU never waits for the host in between.
 """
 
 from __future__ import annotations
@@ -40,15 +44,17 @@ REDUCTIONS = ("mean", "sum", "none")
 
 @triton.jit
 def _cross_entropy_kernel(
-    z_ptr, z_row_stride, target_ptr, loss_ptr, row_scale_ptr,
+    z_ptr, z_row_stride, target_ptr, loss_ptr, row_scale_ptr, count_ptr,
     n_rows, n_cols, ignore_index, label_smoothing, softcap, z_loss_scale, grad_scale,
     SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    ROW_SCALE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROW_SCALE: tl.constexpr, DIVIDE_BY_COUNT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index).to(tl.int64)
-    valid = row_mask & (target != ignore_index)
+    # An out-of-range target raises a ValueError on the host once the count kernel's result arrives,
+    # which may be after this kernel started: such a row is skipped here, never read out of bounds.
+    valid = row_mask & (target != ignore_index) & (target >= 0) & (target < n_cols)
     row_ptr = z_ptr + rows.to(tl.int64) * z_row_stride  # int64: 16k rows x 128k columns passes 2**31
     cols = tl.arange(0, BLOCK_N)
 
@@ -86,12 +92,17 @@ def _cross_entropy_kernel(
         # Pass 2: the gradient, written over the logits it was computed from (this program has read
         # everything it needs from this row already). Ignored rows get exact zeros.
         coef = tl.where(valid, grad_scale, 0.0)
+        if DIVIDE_BY_COUNT:  # a mean's 1 / (rows kept), counted on the GPU
+            coef /= tl.maximum(tl.load(count_ptr), 1).to(tl.float32)
         if ROW_SCALE:
             coef *= tl.load(row_scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)
         p_scale = 1.0
         if Z_LOSS:
             p_scale = 1 + 2 * z_loss_scale * lse[:, None]
-        for start in range(0, n_cols, BLOCK_N):
+        # Last block first: pass 1 read it most recently, so it is the likeliest to still be in L2.
+        n_blocks = tl.cdiv(n_cols, BLOCK_N)
+        for back in range(0, n_blocks):
+            start = (n_blocks - 1 - back) * BLOCK_N
             in_row = ((start + cols) < n_cols)[None, :]
             ptrs = row_ptr[:, None] + (start + cols)[None, :]
             z = tl.load(ptrs, mask=valid[:, None] & in_row, other=0.0).to(tl.float32)
@@ -133,6 +144,28 @@ def _scale_rows_kernel(
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _count_targets_kernel(target_ptr, n, ignore_index, n_classes, counts_ptr, BLOCK: tl.constexpr):
+    """counts = [targets not ignored, how many of those are out of [0, n_classes), smallest, largest]."""
+    offsets = tl.arange(0, BLOCK)
+    kept_count = tl.zeros([BLOCK], tl.int64)
+    bad_count = tl.zeros([BLOCK], tl.int64)
+    smallest = tl.full([BLOCK], 2**62, tl.int64)
+    largest = tl.full([BLOCK], -(2**62), tl.int64)
+    for start in range(0, n, BLOCK):
+        in_range = start + offsets < n
+        t = tl.load(target_ptr + start + offsets, mask=in_range, other=ignore_index).to(tl.int64)
+        kept = in_range & (t != ignore_index)
+        kept_count += kept.to(tl.int64)
+        bad_count += (kept & ((t < 0) | (t >= n_classes))).to(tl.int64)
+        smallest = tl.minimum(smallest, tl.where(kept, t, 2**62))
+        largest = tl.maximum(largest, tl.where(kept, t, -(2**62)))
+    tl.store(counts_ptr + 0, tl.sum(kept_count, axis=0))
+    tl.store(counts_ptr + 1, tl.sum(bad_count, axis=0))
+    tl.store(counts_ptr + 2, tl.min(smallest, axis=0))
+    tl.store(counts_ptr + 3, tl.max(largest, axis=0))
+
+
 @dataclass(frozen=True)
 class LossOptions:
     """The options every cross-entropy kernel call shares (validated by :func:`check_loss_options`)."""
@@ -157,8 +190,8 @@ def check_loss_options(options: LossOptions) -> None:
         raise ValueError(f"z_loss_scale is {options.z_loss_scale}: expected a non-negative finite number")
 
 
-def check_target(target: torch.Tensor, expected_shape: torch.Size, n_classes: int, ignore_index: int) -> int:
-    """Validate class indices on the host (one small device->host read); return how many are not ignored."""
+def check_target_tensor(target: torch.Tensor, expected_shape: torch.Size) -> None:
+    """Type, device and shape of a tensor of class indices (nothing read from the GPU)."""
     if not isinstance(target, torch.Tensor):
         raise ValueError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
@@ -166,17 +199,33 @@ def check_target(target: torch.Tensor, expected_shape: torch.Size, n_classes: in
     runtime.check_device(target=target)
     if target.shape != expected_shape:
         raise ValueError(f"target has shape {tuple(target.shape)}: expected {tuple(expected_shape)}")
-    flat = target.reshape(-1)
-    kept = flat != ignore_index
-    out_of_range = kept & ((flat < 0) | (flat >= n_classes))
-    n_valid, n_bad = torch.stack([kept.sum(), out_of_range.sum()]).tolist()
+
+
+def count_targets(flat_target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
+    """One small kernel: int64 [kept, out of range, smallest kept, largest kept] on the target's device."""
+    counts = torch.empty(4, dtype=torch.int64, device=flat_target.device)
+    block = runtime.pick(cpu=2**16, gpu=4096)
+    _count_targets_kernel[(1,)](flat_target, flat_target.numel(), ignore_index, n_classes, counts, BLOCK=block)
+    return counts
+
+
+def kept_count(counts: list[int], n_classes: int, ignore_index: int) -> int:
+    """The number of kept targets from :func:`count_targets`' values; ValueError if any is out of range."""
+    n_kept, n_bad, smallest, largest = counts
     if n_bad:
-        value = flat[out_of_range][0].item()
+        example = largest if largest >= n_classes else smallest
         raise ValueError(
-            f"target holds {n_bad} class index(es) out of range (e.g. {value}): expected values in "
+            f"target holds {n_bad} class index(es) out of range (e.g. {example}): expected values in "
             f"[0, {n_classes}) or ignore_index={ignore_index}"
         )
-    return int(n_valid)
+    return n_kept
+
+
+def check_target(target: torch.Tensor, expected_shape: torch.Size, n_classes: int, ignore_index: int) -> int:
+    """Validate class indices, waiting for the GPU's count; return how many are not ignored."""
+    check_target_tensor(target, expected_shape)
+    counts = count_targets(target.reshape(-1).contiguous(), n_classes, ignore_index)
+    return kept_count(counts.tolist(), n_classes, ignore_index)
 
 
 def cross_entropy_rows(
@@ -188,20 +237,22 @@ def cross_entropy_rows(
     write_grad: bool,
     grad_scale: float = 1.0,
     row_scale: torch.Tensor | None = None,
+    divide_by: torch.Tensor | None = None,
 ) -> None:
     """Launch the kernel on a (rows, V) view with unit column stride: per-row fp32 losses into ``loss``;
-    with ``write_grad``, the gradient times ``grad_scale`` (times ``row_scale[r]`` when given) over ``logits``."""
+    with ``write_grad``, the gradient times ``grad_scale`` (times ``row_scale[r]`` when given, divided by
+    ``max(divide_by[0], 1)`` when given: a count on the GPU) over ``logits``."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
     launch = runtime.streaming_row_launch(n_rows, n_cols)
     _cross_entropy_kernel[(launch.grid,)](
         logits, logits.stride(0), target, loss, row_scale if row_scale is not None else loss,
-        n_rows, n_cols, options.ignore_index, options.label_smoothing, options.softcap or 1.0,
-        options.z_loss_scale, grad_scale,
+        divide_by if divide_by is not None else loss, n_rows, n_cols, options.ignore_index,
+        options.label_smoothing, options.softcap or 1.0, options.z_loss_scale, grad_scale,
         SOFTCAP=options.softcap is not None, SMOOTHING=options.label_smoothing > 0, Z_LOSS=options.z_loss_scale > 0,
-        WRITE_GRAD=write_grad, ROW_SCALE=row_scale is not None, ROWS=launch.rows, BLOCK_N=launch.block_n,
-        num_warps=launch.num_warps,
+        WRITE_GRAD=write_grad, ROW_SCALE=row_scale is not None, DIVIDE_BY_COUNT=divide_by is not None,
+        ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
     )  # fmt: skip
 
 
@@ -246,18 +297,24 @@ def _writable_rows(logits: torch.Tensor) -> torch.Tensor:
 
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, options, n_valid, write_grad):
+    def forward(ctx, logits, target, options, write_grad):
         rows = _writable_rows(logits) if write_grad else as_rows(logits)
+        n_classes = rows.shape[1]
         loss = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
-        mean_scale = 1.0 / max(n_valid, 1) if options.reduction == "mean" else 1.0
+        flat_target = target.reshape(-1).contiguous()
+        counts = count_targets(flat_target, n_classes, options.ignore_index)
+        read_counts = runtime.read_later(counts)
+        mean = options.reduction == "mean"
         # The 1/n of a mean goes into the stored gradient (so a plain backward has nothing left to do),
         # except in fp16: p / n ~ 1e-9 for 8192 tokens over a 128k vocabulary underflows (fp16 stops at
         # 6e-8), so fp16 stores softmax - onehot and the backward applies 1/n with the upstream gradient.
-        in_forward = mean_scale if logits.dtype != torch.float16 else 1.0
-        flat_target = target.reshape(-1).contiguous()
-        cross_entropy_rows(rows, flat_target, loss, options, write_grad=write_grad, grad_scale=in_forward)
+        mean_in_kernel = mean and logits.dtype != torch.float16
+        cross_entropy_rows(
+            rows, flat_target, loss, options, write_grad=write_grad, divide_by=counts if mean_in_kernel else None
+        )
+        n_valid = kept_count(read_counts(), n_classes, options.ignore_index)
         ctx.grad_rows, ctx.logits_shape = (rows if write_grad else None), logits.shape
-        ctx.backward_scale = mean_scale / in_forward
+        ctx.backward_scale = 1.0 / max(n_valid, 1) if mean and not mean_in_kernel else 1.0
         return reduce_loss(loss, options.reduction, n_valid, logits.dtype, target.shape)
 
     @staticmethod
@@ -269,7 +326,7 @@ class CrossEntropyFunction(torch.autograd.Function):
                 "the forward and handed over once (no retain_graph)"
             )
         scale_rows(rows, grad_loss if ctx.backward_scale == 1.0 else grad_loss.float() * ctx.backward_scale)
-        return rows.view(ctx.logits_shape), None, None, None, None
+        return rows.view(ctx.logits_shape), None, None, None
 
 
 def cross_entropy(
@@ -294,13 +351,15 @@ def cross_entropy(
        kernel cannot write row by row (non-unit column stride, overlapping rows). Logits that do not
        require grad are only read. If another autograd node saved these logits for its own backward,
        that backward raises PyTorch's "modified by an inplace operation" error instead of going wrong.
-       Because the gradient is made once in the forward, the graph can be backpropagated once.
+       Because the gradient is made once in the forward, the graph can be backpropagated once. Targets
+       are range-checked while the kernel runs: when that raises a ValueError, the logits may already
+       have been overwritten.
     """
     options = LossOptions(ignore_index, float(label_smoothing), reduction, softcap, float(z_loss_scale))
     check_loss_options(options)
     check_float("logits", logits)
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits has shape {tuple(logits.shape)}: expected (..., V) with V >= 1 classes")
-    n_valid = check_target(target, logits.shape[:-1], logits.shape[-1], ignore_index)
+    check_target_tensor(target, logits.shape[:-1])
     write_grad = logits.requires_grad and torch.is_grad_enabled()
-    return CrossEntropyFunction.apply(logits, target, options, n_valid, write_grad)
+    return CrossEntropyFunction.apply(logits, target, options, write_grad)
