@@ -26,7 +26,7 @@ from liger_lab import e2e
 STEPS = 3
 CATEGORIES = (  # first match wins; names are lower-cased kernel names
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
-    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("attention", ("flash", "fmha", "attention", "attn", "cudnn")),
     ("optimizer", ("multi_tensor", "adam")),
     ("other PyTorch", ("at::native", "at_cuda_detail", "aten")),
 )
