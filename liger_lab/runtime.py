@@ -189,14 +189,22 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def measure_ms(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+def measure_ms(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100, min_calls: int = 20) -> float:
     """Median time of ``fn()`` in milliseconds.
 
-    On the GPU: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls). In the interpreter
-    ``do_bench`` does not work, so this is a host wall clock over a few calls: it times Python and the
-    interpreter, not a kernel, and says nothing about GPU speed.
+    On the GPU: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls) over ``rep_ms``, or
+    over ``min_calls`` calls when those take longer: a 45 ms op would get only two calls in 100 ms, and
+    the median of two is noise. In the interpreter ``do_bench`` does not work, so this is a host wall
+    clock over a few calls: it times Python and the interpreter, not a kernel, and says nothing about
+    GPU speed.
     """
     if not INTERPRET:
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        rep_ms = max(rep_ms, min_calls * (time.perf_counter() - start) * 1e3)
         return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     fn()
     samples = []
