@@ -127,6 +127,14 @@ def test_logits_are_untouched_without_grad_and_for_parameters():
     assert relative_l2_error(parameter.grad, reference_grad(reference.cross_entropy, z, t)) < 1e-5
 
 
+def test_a_producer_that_saved_the_logits_is_refused():
+    """exp saves its output for its own backward; overwriting it must fail loudly, not silently."""
+    z = randn(6, 50).requires_grad_()
+    loss = liger_lab.cross_entropy(torch.exp(z), targets((6,), 50))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_plain_backward_and_scaled_upstream_gradient():
     z, t = randn(9, 300), targets((9,), 300)
     expected = reference_grad(reference.cross_entropy, z, t)

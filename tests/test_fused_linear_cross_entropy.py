@@ -168,6 +168,60 @@ def test_plain_backward_and_second_backward():
         loss.backward()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_in_place_backward_matches_float64(reduction):
+    options = {"reduction": reduction, "label_smoothing": 0.1}
+    assert check_against_reference(
+        "fused_linear_cross_entropy in place",
+        lambda h, *rest: liger_lab.fused_linear_cross_entropy(
+            h * 1.0, *rest, chunk_tokens=CHUNK, in_place_backward=True, **options
+        ),
+        lambda *a: reference.fused_linear_cross_entropy(*a, **options),
+        inputs(bias=True),
+        input_names=["hidden", "weight", "target", "bias"],
+    )
+
+
+def test_in_place_backward_writes_the_gradient_over_hidden():
+    x, w, t = inputs()
+    x.requires_grad_()
+    hidden = x * 1.0  # an intermediate, like a final norm's output
+    loss = liger_lab.fused_linear_cross_entropy(hidden, w, t, chunk_tokens=CHUNK, in_place_backward=True)
+    expected = reference_grad(lambda h: reference.fused_linear_cross_entropy(h, w.double(), t), x)
+    assert relative_l2_error(hidden.detach(), expected) < 1e-5
+    loss.backward()
+    assert relative_l2_error(x.grad, expected) < 1e-5
+
+
+def test_in_place_backward_leaves_parameters_and_reduction_none_alone():
+    x, w, t = inputs()
+    parameter = torch.nn.Parameter(x.clone())
+    liger_lab.fused_linear_cross_entropy(parameter, w, t, chunk_tokens=CHUNK, in_place_backward=True).backward()
+    hidden = x.clone().requires_grad_()
+    loss = liger_lab.fused_linear_cross_entropy(hidden, w, t, reduction="none", in_place_backward=True)
+    loss.sum().backward()
+    assert torch.equal(parameter.detach(), x) and torch.equal(hidden.detach(), x)
+    assert relative_l2_error(parameter.grad * (t != -100).sum(), hidden.grad) < 1e-5
+
+
+def test_reduction_none_summed_backward():
+    """loss.sum().backward() hands the backward an expanded (stride 0) gradient, one value per token."""
+    x, w, t = inputs()
+    hidden = x.clone().requires_grad_()
+    liger_lab.fused_linear_cross_entropy(hidden, w, t, reduction="none").sum().backward()
+    expected = reference_grad(lambda h: reference.fused_linear_cross_entropy(h, w.double(), t, reduction="sum"), x)
+    assert relative_l2_error(hidden.grad, expected) < 1e-5
+
+
+def test_in_place_backward_refuses_a_producer_that_saved_its_output():
+    """exp saves its output for its own backward; overwriting it must fail loudly, not silently."""
+    x, w, t = inputs(scale=0.1)
+    x.requires_grad_()
+    loss = liger_lab.fused_linear_cross_entropy(torch.exp(x), w, t, in_place_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_chunk_size_follows_the_memory_budget():
     # The design shape: 192 MiB / (128256 x 2 bytes) = 784 tokens -> 768, a multiple of 128.
     assert flce_module.chunk_tokens_for(8192, 128256, torch.bfloat16) == 768
@@ -241,9 +295,12 @@ def test_peak_memory_at_the_design_shape():
     weight = randn(vocab, hidden_size, dtype=torch.bfloat16, scale=hidden_size**-0.5).requires_grad_()
     target = targets((n,), vocab)
 
-    def step():
-        torch.autograd.grad(liger_lab.fused_linear_cross_entropy(hidden, weight, target), [hidden, weight])
+    def step(in_place=False):
+        loss = liger_lab.fused_linear_cross_entropy(hidden, weight, target, in_place_backward=in_place)
+        torch.autograd.grad(loss, [hidden, weight])
 
     step()  # cuBLAS workspaces are allocated once, before the measurement
     peak = runtime.peak_memory_bytes(step)
     assert peak <= 1.25 * 2**30, f"peak {peak / 2**30:.2f} GiB above the inputs"
+    in_place_peak = runtime.peak_memory_bytes(lambda: step(in_place=True))
+    assert in_place_peak <= peak - n * hidden_size * 2 + 2**20, "dh over hidden saves the N x H buffer"

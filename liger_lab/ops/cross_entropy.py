@@ -312,6 +312,10 @@ class CrossEntropyFunction(torch.autograd.Function):
         cross_entropy_rows(
             rows, flat_target, loss, options, write_grad=write_grad, divide_by=counts if mean_in_kernel else None
         )
+        if write_grad and rows.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
+            # The logits now hold their gradient: a node that saved them for its own backward gets autograd's
+            # "modified by an inplace operation" error instead of computing with a gradient.
+            torch.autograd.graph.increment_version(logits)
         n_valid = kept_count(read_counts(), n_classes, options.ignore_index)
         ctx.grad_rows, ctx.logits_shape = (rows if write_grad else None), logits.shape
         ctx.backward_scale = 1.0 / max(n_valid, 1) if mean and not mean_in_kernel else 1.0
