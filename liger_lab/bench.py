@@ -193,7 +193,8 @@ OPS: dict[str, OpBench] = {
     "flce": OpBench(
         "flce", (8192, 4096, 128256), _flce_inputs, fwd_passes=0, full_passes=0,
         impls={
-            **_peers("fused_linear_cross_entropy", lambda h, w, t: liger_lab.fused_linear_cross_entropy(h, w, t),
+            **_peers("fused_linear_cross_entropy",
+                     lambda h, w, t: liger_lab.fused_linear_cross_entropy(h, w, t, in_place_backward=True),
                      _liger("liger_fused_linear_cross_entropy")),
             "cce": _cut_cross_entropy,
         },

@@ -349,6 +349,9 @@ def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, A
             reduction=reduction,
             softcap=softcap,
             loss_dtype=torch.float32,
+            # The final norm's output is read by this loss alone, unless the caller asked for the hidden
+            # states (they include it): then it must stay intact.
+            in_place_backward=not isinstance(outputs, tuple) and getattr(outputs, "hidden_states", None) is None,
         )
     else:
         logits = head(kept)

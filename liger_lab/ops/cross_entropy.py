@@ -65,7 +65,9 @@ def _cross_entropy_kernel(
     z_sum = tl.zeros([ROWS], tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         mask = valid[:, None] & ((start + cols) < n_cols)[None, :]
-        z = tl.load(row_ptr[:, None] + (start + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+        # evict_last: pass 2 reads this block again, so it should outlive the traffic of other rows in L2.
+        ptrs = row_ptr[:, None] + (start + cols)[None, :]
+        z = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         if SOFTCAP:  # softcap * tanh(z / softcap), tanh through the sigmoid (no libdevice in the interpreter)
             z = softcap * (2 * tl.sigmoid(2 * z / softcap) - 1)
         if SMOOTHING:
@@ -105,7 +107,9 @@ def _cross_entropy_kernel(
             start = (n_blocks - 1 - back) * BLOCK_N
             in_row = ((start + cols) < n_cols)[None, :]
             ptrs = row_ptr[:, None] + (start + cols)[None, :]
-            z = tl.load(ptrs, mask=valid[:, None] & in_row, other=0.0).to(tl.float32)
+            # evict_first on this last read and on the store: neither is read again, so they should not
+            # push blocks that pass 1 of other rows will need out of L2.
+            z = tl.load(ptrs, mask=valid[:, None] & in_row, other=0.0, eviction_policy="evict_first").to(tl.float32)
             if SOFTCAP:
                 z = softcap * (2 * tl.sigmoid(2 * z / softcap) - 1)
             grad = tl.exp(z - lse[:, None]) * p_scale
@@ -116,7 +120,9 @@ def _cross_entropy_kernel(
                 tanh = z / softcap
                 grad *= 1 - tanh * tanh
             grad *= coef[:, None]
-            tl.store(ptrs, grad.to(z_ptr.dtype.element_ty), mask=row_mask[:, None] & in_row)
+            tl.store(
+                ptrs, grad.to(z_ptr.dtype.element_ty), mask=row_mask[:, None] & in_row, eviction_policy="evict_first"
+            )
 
 
 @triton.jit
