@@ -18,19 +18,21 @@ it *inside* the sum over tokens, so nothing is precomputed: the forward computes
 backward runs the chunk loop again with the per-token gradient folded into dz (8 N H V FLOPs).
 
 **Chunk size.** The chunk's logits cost ``C * V * itemsize`` bytes (bf16: 2 bytes; the kernel works in
-fp32 registers, never an fp32 copy). ``C`` is the largest multiple of 128 tokens whose logits fit in
-:data:`CHUNK_BUDGET_BYTES` (at least 128 tokens, at most N). Bigger chunks keep the three matmuls near
-peak (a C x H by H x V product with C = 768 is a full-size GEMM); smaller chunks cost less memory.
-At N = 8192, H = 4096, V = 128256, bf16: the gradients themselves are 1002 MiB (dW) + 64 MiB (dh), and
-the default 192 MiB budget gives C = 768 (188 MiB of logits, 11 chunks): about 1.22 GiB above the inputs,
-1.16 GiB with ``in_place_backward`` (dh over hidden).
+fp32 registers, never an fp32 copy). :data:`CHUNK_BUDGET_BYTES` bounds the op's temporaries: the chunk
+of logits, plus the N x H hidden gradient unless ``in_place_backward`` writes it over ``hidden``. ``C``
+is the largest multiple of 64 tokens that fits (at least 64 tokens, at most N). Bigger chunks keep the
+three matmuls near peak; smaller chunks cost less memory. At N = 8192, H = 4096, V = 128256, bf16, dW
+itself is 1002 MiB and the default 240 MiB budget gives C = 960 with ``in_place_backward`` (235 MiB of
+logits, 9 chunks) and C = 704 without (172 MiB, plus 64 MiB for dh): about 1.21 GiB above the inputs
+either way. Measured on an H200 (benchmarks/notes/fused_linear_cross_entropy.md), 960 tokens per chunk
+take 39.5 ms where 768 take 41.8.
 
 **Accumulating dW.** ``accumulation`` picks the dtype of the running dW sum (module default
 :data:`ACCUMULATION`):
 
 - ``"weight_dtype"``: dW is accumulated in the weight's dtype with ``addmm_``. cuBLAS sums each chunk's
   C tokens in fp32 and adds the running sum in fp32, then rounds once: one bf16 rounding per chunk
-  (11 at the shape above; a single unchunked GEMM rounds once). No memory beyond dW itself.
+  (9 to 12 at the shape above; a single unchunked GEMM rounds once). No memory beyond dW itself.
 - ``"fp32"``: a separate fp32 accumulator (4 V H bytes: 2.0 GiB at the shape above), rounded to the
   weight's dtype once, in the backward. Exact fp32 accumulation whatever the number of chunks.
 - ``"auto"`` (default): ``"fp32"`` when the accumulator costs nothing (fp32 weights) or at most
@@ -56,21 +58,25 @@ from liger_lab.ops.cross_entropy import (
 )
 
 MIB = 2**20
-CHUNK_BUDGET_BYTES = 192 * MIB
-"""Bytes for one chunk of logits; the chunk size in tokens follows from it (see the module docstring)."""
+CHUNK_BUDGET_BYTES = 240 * MIB
+"""Bytes of temporaries per call: one chunk of logits, plus the hidden gradient's buffer when it is not
+written over ``hidden``. The chunk size in tokens follows from it (see the module docstring)."""
 FP32_ACCUMULATOR_BUDGET_BYTES = 512 * MIB
 """Largest fp32 dW accumulator (4 V H bytes) that ``accumulation="auto"`` allocates."""
 ACCUMULATION = "auto"
 """Default ``accumulation`` of :func:`fused_linear_cross_entropy`: "auto", "fp32" or "weight_dtype"."""
 ACCUMULATIONS = ("auto", "fp32", "weight_dtype")
-CHUNK_ALIGN = 128
+CHUNK_ALIGN = 64
 
 
-def chunk_tokens_for(n_tokens: int, vocab: int, dtype: torch.dtype, budget: int | None = None) -> int:
-    """Tokens per chunk: the largest multiple of 128 whose ``C x V`` logits fit in ``budget`` bytes
-    (default :data:`CHUNK_BUDGET_BYTES`), at least 128 (smaller matmuls waste the GPU), at most N."""
-    budget = CHUNK_BUDGET_BYTES if budget is None else budget
-    fitting = budget // (vocab * torch.empty((), dtype=dtype).element_size())
+def chunk_tokens_for(
+    n_tokens: int, vocab: int, dtype: torch.dtype, budget: int | None = None, *, other_bytes: int = 0
+) -> int:
+    """Tokens per chunk: the largest multiple of 64 whose ``C x V`` logits fit in ``budget`` bytes
+    (default :data:`CHUNK_BUDGET_BYTES`) less ``other_bytes`` (the hidden gradient's buffer, when there
+    is one), at least 64 (smaller matmuls waste the GPU), at most N."""
+    budget = (CHUNK_BUDGET_BYTES if budget is None else budget) - other_bytes
+    fitting = max(budget, 0) // (vocab * torch.empty((), dtype=dtype).element_size())
     chunk = max(CHUNK_ALIGN, fitting // CHUNK_ALIGN * CHUNK_ALIGN)
     return max(1, min(chunk, n_tokens))
 
@@ -152,6 +158,18 @@ def _chunk_loop(
     return grad_h, grad_w, grad_b
 
 
+def _can_write_over(hidden: torch.Tensor, needs: tuple[bool, bool, bool], reduction: str) -> bool:
+    """Whether dh may go over ``hidden``: only for gradients made in the forward (reduction="none" reads
+    hidden again in the backward), never over model state, and only into hidden's own dense rows."""
+    if not needs[0] or reduction == "none" or isinstance(hidden, nn.Parameter):
+        return False
+    try:
+        rows = hidden.view(-1, hidden.shape[-1])  # fails where reshape would have to copy
+    except RuntimeError:
+        return False
+    return rows.stride(-1) == 1 and (rows.shape[0] < 2 or rows.stride(0) >= rows.shape[1])
+
+
 def _token_rows(hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, H) hidden states and (tokens,) contiguous targets."""
     return hidden.reshape(hidden.shape[:-1].numel(), hidden.shape[-1]), target.reshape(-1).contiguous()
@@ -165,16 +183,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         precompute = any(needs) and options.reduction != "none"
         grads = (*needs, acc_dtype) if precompute else None
         grad_scale = 1.0 / max(n_valid, 1) if options.reduction == "mean" else 1.0
-        # dh over hidden: only for the precomputed gradients (reduction="none" reads hidden again in the
-        # backward), never over model state, and only into a dense buffer whose rows do not overlap.
-        ctx.in_place = (
-            in_place
-            and precompute
-            and needs[0]
-            and not isinstance(hidden, nn.Parameter)
-            and rows.stride(-1) == 1
-            and (rows.shape[0] < 2 or rows.stride(0) >= rows.shape[1])
-        )
+        ctx.in_place = in_place
         ctx.grads = _chunk_loop(
             rows, weight, bias, flat_target, loss, options, chunk=chunk, grads=grads, grad_scale=grad_scale,
             grad_h_over_hidden=ctx.in_place,
@@ -292,8 +301,10 @@ def fused_linear_cross_entropy(
         grad_on and bias is not None and bias.requires_grad,
     )
     n_tokens = hidden.shape[:-1].numel()
-    chunk = chunk_tokens or chunk_tokens_for(n_tokens, weight.shape[0], hidden.dtype)
+    in_place = bool(in_place_backward) and _can_write_over(hidden, needs, reduction)
+    # Without in_place the hidden gradient is a buffer of its own, paid from the same budget.
+    hidden_grad_bytes = 0 if in_place or not needs[0] else hidden.numel() * hidden.element_size()
+    chunk = chunk_tokens or chunk_tokens_for(n_tokens, weight.shape[0], hidden.dtype, other_bytes=hidden_grad_bytes)
     return FusedLinearCrossEntropyFunction.apply(
-        hidden, weight, target, bias, options, n_valid, needs, chunk, acc_dtype, loss_dtype or hidden.dtype,
-        bool(in_place_backward),
-    )  # fmt: skip
+        hidden, weight, target, bias, options, n_valid, needs, chunk, acc_dtype, loss_dtype or hidden.dtype, in_place
+    )
