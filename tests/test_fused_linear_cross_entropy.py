@@ -250,6 +250,10 @@ def test_module_takes_liger_argument_order():
         hidden.double(), weight.double(), target, bias.double(), reduction="sum"
     )
     assert relative_l2_error(loss, expected) < 1e-6
+    hidden.requires_grad_()
+    intermediate = hidden * 1.0
+    FusedLinearCrossEntropyLoss(chunk_tokens=CHUNK, in_place_backward=True)(weight, intermediate, target).backward()
+    assert torch.equal(intermediate.detach(), hidden.grad)  # the gradient went over the intermediate
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     The argument order is Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (weight first), so code
     written for it works unchanged: ``loss = lce(model.lm_head.weight, hidden_states, labels)``. The
     module holds no parameters; the weight is the caller's (tied to the embedding or not). See
-    :func:`liger_lab.fused_linear_cross_entropy` for ``chunk_tokens`` and ``accumulation``.
+    :func:`liger_lab.fused_linear_cross_entropy` for ``chunk_tokens``, ``accumulation`` and
+    ``in_place_backward`` (off by default: it overwrites the hidden states passed in).
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         *,
         chunk_tokens: int | None = None,
         accumulation: str | None = None,
+        in_place_backward: bool = False,
     ) -> None:
         super().__init__()
         self.ignore_index = ignore_index
@@ -73,6 +75,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         self.softcap = softcap
         self.chunk_tokens = chunk_tokens
         self.accumulation = accumulation
+        self.in_place_backward = in_place_backward
 
     def forward(
         self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
@@ -80,11 +83,11 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         return fused_linear_cross_entropy(
             _input, lin_weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
             reduction=self.reduction, softcap=self.softcap, chunk_tokens=self.chunk_tokens,
-            accumulation=self.accumulation,
+            accumulation=self.accumulation, in_place_backward=self.in_place_backward,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
             f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, reduction={self.reduction!r}, "
-            f"softcap={self.softcap}, accumulation={self.accumulation}"
+            f"softcap={self.softcap}, accumulation={self.accumulation}, in_place_backward={self.in_place_backward}"
         )
