@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from liger_lab import runtime
 
@@ -48,6 +49,20 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View ``x`` as (rows, last dim) with unit stride along the row; copies only when it must."""
     rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # not -1: that is ambiguous for a last dim of 0
     return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
+
+
+def rows_to_overwrite(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as (rows, last dim) over its own memory when a kernel may write results over it row by row;
+    None for an ``nn.Parameter`` (model state is never clobbered), a layout that cannot be viewed as rows
+    without a copy, a column stride other than 1, or rows that overlap (an expanded tensor)."""
+    if isinstance(x, nn.Parameter):
+        return None
+    try:
+        rows = x.view(x.shape[:-1].numel(), x.shape[-1])
+    except RuntimeError:  # only reshape, with a copy, could make rows of it
+        return None
+    overlapping = rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]
+    return None if rows.stride(-1) != 1 or overlapping else rows
 
 
 def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -35,10 +35,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch import nn
 
 from liger_lab import runtime
-from liger_lab.ops.common import as_rows, check_float
+from liger_lab.ops.common import as_rows, check_float, rows_to_overwrite
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -291,14 +290,11 @@ def reduce_loss(loss: torch.Tensor, reduction: str, n_valid: int, dtype: torch.d
 
 
 def _writable_rows(logits: torch.Tensor) -> torch.Tensor:
-    """A (rows, V) view the kernel may overwrite: the caller's own buffer whenever one exists (the point
-    of the in-place gradient); a copy when the rows are not unit-stride or overlap (an expanded tensor),
-    or when ``logits`` is an ``nn.Parameter`` (model state, never clobbered)."""
-    n_cols = logits.shape[-1]
-    rows = logits.reshape(logits.shape[:-1].numel(), n_cols)
-    overlapping = rows.shape[0] > 1 and rows.stride(0) < n_cols
-    if isinstance(logits, nn.Parameter) or rows.stride(-1) != 1 or overlapping:
-        rows = rows.clone(memory_format=torch.contiguous_format)
+    """A (rows, V) view the kernel may overwrite: the caller's own buffer whenever it can be
+    (:func:`rows_to_overwrite`; the point of the in-place gradient), else one contiguous copy."""
+    rows = rows_to_overwrite(logits)
+    if rows is None:
+        rows = logits.clone(memory_format=torch.contiguous_format).view(logits.shape[:-1].numel(), logits.shape[-1])
     return rows
 
 

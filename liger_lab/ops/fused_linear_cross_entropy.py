@@ -45,9 +45,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 
-from liger_lab.ops.common import check_float
+from liger_lab.ops.common import check_float, rows_to_overwrite
 from liger_lab.ops.cross_entropy import (
     LossOptions,
     check_loss_options,
@@ -160,14 +159,8 @@ def _chunk_loop(
 
 def _can_write_over(hidden: torch.Tensor, needs: tuple[bool, bool, bool], reduction: str) -> bool:
     """Whether dh may go over ``hidden``: only for gradients made in the forward (reduction="none" reads
-    hidden again in the backward), never over model state, and only into hidden's own dense rows."""
-    if not needs[0] or reduction == "none" or isinstance(hidden, nn.Parameter):
-        return False
-    try:
-        rows = hidden.view(-1, hidden.shape[-1])  # fails where reshape would have to copy
-    except RuntimeError:
-        return False
-    return rows.stride(-1) == 1 and (rows.shape[0] < 2 or rows.stride(0) >= rows.shape[1])
+    hidden again in the backward), and only where :func:`rows_to_overwrite` allows."""
+    return needs[0] and reduction != "none" and rows_to_overwrite(hidden) is not None
 
 
 def _token_rows(hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,12 +176,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         precompute = any(needs) and options.reduction != "none"
         grads = (*needs, acc_dtype) if precompute else None
         grad_scale = 1.0 / max(n_valid, 1) if options.reduction == "mean" else 1.0
-        ctx.in_place = in_place
         ctx.grads = _chunk_loop(
             rows, weight, bias, flat_target, loss, options, chunk=chunk, grads=grads, grad_scale=grad_scale,
-            grad_h_over_hidden=ctx.in_place,
+            grad_h_over_hidden=in_place,
         )  # fmt: skip
-        if ctx.in_place:
+        if in_place:
             # hidden now holds its gradient: a later reader that saved it gets autograd's "modified by an
             # inplace operation" error instead of computing with a gradient as if it were an activation.
             torch.autograd.graph.increment_version(hidden)
