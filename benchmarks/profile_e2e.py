@@ -41,25 +41,20 @@ def category(kernel_name: str) -> str:
 
 
 def profile_mode(mode: str, batch: int, seq: int) -> dict:
+    # The same model, optimizer, batch and step as `liger-lab bench e2e`.
     config = e2e.llama_config("1.5b")
     model = e2e.build_model(config)
     e2e.apply_mode(model, mode)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tokens = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
-
-    def step():
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    optimizer = e2e._optimizer(model, lr=1e-4)
+    tokens = e2e._batch(config, batch, seq, seed=0)
     for _ in range(2):
-        step()
+        e2e._step(model, optimizer, tokens)
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(STEPS):
-            step()
+            e2e._step(model, optimizer, tokens)
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3 / STEPS
     with tempfile.NamedTemporaryFile(suffix=".json") as trace_file:
