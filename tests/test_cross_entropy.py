@@ -103,11 +103,32 @@ def test_all_targets_ignored_gives_zero_not_nan(reduction):
     assert torch.equal(z.grad, torch.zeros_like(z))
 
 
-def test_gradient_is_written_over_intermediate_logits():
+def test_default_never_modifies_the_logits():
+    """A z-loss, a logged loss or a second loss computed after the call must see the logits unchanged."""
+    z = randn(10, 200).requires_grad_()
+    t = targets((10,), 200)
+    logits = z * 1.0
+    before = logits.detach().clone()
+    loss = liger_lab.cross_entropy(logits, t)
+    assert torch.equal(logits.detach(), before)
+    second = liger_lab.cross_entropy(logits, t, label_smoothing=0.1)  # reads the same logits again
+    z_loss = torch.logsumexp(logits, -1).pow(2).mean()
+    (loss + second + 1e-3 * z_loss).backward()
+    expected = reference_grad(
+        lambda z, t: reference.cross_entropy(z, t) + reference.cross_entropy(z, t, label_smoothing=0.1)
+        + 1e-3 * torch.logsumexp(z, -1).pow(2).mean(), z, t
+    )  # fmt: skip
+    assert relative_l2_error(z.grad, expected) < 1e-5
+    fp32 = randn(6, 50).requires_grad_()
+    liger_lab.cross_entropy(fp32.float(), targets((6,), 50)).backward()  # .float() of fp32 is fp32 itself
+    assert fp32.grad is not None and not torch.equal(fp32.detach(), fp32.grad)
+
+
+def test_in_place_backward_writes_the_gradient_over_intermediate_logits():
     z = randn(10, 200).requires_grad_()
     t = targets((10,), 200)
     logits = z * 1.0  # an intermediate result, like lm_head's output
-    loss = liger_lab.cross_entropy(logits, t)
+    loss = liger_lab.cross_entropy(logits, t, in_place_backward=True)
     expected = reference_grad(reference.cross_entropy, z, t)
     assert relative_l2_error(logits.detach(), expected) < 1e-5  # the buffer now holds d loss / d logits
     loss.backward()
@@ -117,11 +138,11 @@ def test_gradient_is_written_over_intermediate_logits():
 def test_logits_are_untouched_without_grad_and_for_parameters():
     z, t = randn(10, 200), targets((10,), 200)
     original = z.clone()
-    liger_lab.cross_entropy(z, t)
+    liger_lab.cross_entropy(z, t, in_place_backward=True)
     parameter = torch.nn.Parameter(z.clone())
-    loss = liger_lab.cross_entropy(parameter, t)
+    loss = liger_lab.cross_entropy(parameter, t, in_place_backward=True)
     with torch.no_grad():
-        liger_lab.cross_entropy(z.clone().requires_grad_(), t)
+        liger_lab.cross_entropy(z.clone().requires_grad_(), t, in_place_backward=True)
     assert torch.equal(z, original) and torch.equal(parameter.detach(), original)
     loss.backward()
     assert relative_l2_error(parameter.grad, reference_grad(reference.cross_entropy, z, t)) < 1e-5
@@ -130,7 +151,7 @@ def test_logits_are_untouched_without_grad_and_for_parameters():
 def test_a_producer_that_saved_the_logits_is_refused():
     """exp saves its output for its own backward; overwriting it must fail loudly, not silently."""
     z = randn(6, 50).requires_grad_()
-    loss = liger_lab.cross_entropy(torch.exp(z), targets((6,), 50))
+    loss = liger_lab.cross_entropy(torch.exp(z), targets((6,), 50), in_place_backward=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
@@ -138,17 +159,19 @@ def test_a_producer_that_saved_the_logits_is_refused():
 def test_plain_backward_and_scaled_upstream_gradient():
     z, t = randn(9, 300), targets((9,), 300)
     expected = reference_grad(reference.cross_entropy, z, t)
-    for upstream in (1.0, -2.5):  # 1.0: the backward skips its scaling pass
-        leaf = z.clone().requires_grad_()
-        (liger_lab.cross_entropy(leaf.clone(), t) * upstream).backward()
-        assert relative_l2_error(leaf.grad, upstream * expected) < 1e-5
+    for in_place in (False, True):
+        for upstream in (1.0, -2.5):  # 1.0: the backward skips its scaling pass
+            leaf = z.clone().requires_grad_()
+            (liger_lab.cross_entropy(leaf.clone(), t, in_place_backward=in_place) * upstream).backward()
+            assert relative_l2_error(leaf.grad, upstream * expected) < 1e-5
 
 
-def test_second_backward_is_an_error():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_second_backward_is_an_error(in_place):
     z = randn(4, 50).requires_grad_()
-    loss = liger_lab.cross_entropy(z.clone(), targets((4,), 50))
+    loss = liger_lab.cross_entropy(z.clone(), targets((4,), 50), in_place_backward=in_place)
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward ran twice"):
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
 
@@ -172,12 +195,21 @@ def test_target_counts_span_several_blocks():
     assert counts == [kept.numel(), 1, kept.min().item(), 50]
 
 
-def test_out_of_range_target_with_grad_is_a_value_error_not_a_wild_read():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_out_of_range_target_is_a_value_error_that_leaves_the_logits_untouched(in_place):
     z = randn(4, 10).requires_grad_()
-    with pytest.raises(ValueError, match=r"e.g. 1000000000"):
-        liger_lab.cross_entropy(z.clone(), indices([0, 1, 10**9, 2]))
-    with pytest.raises(ValueError, match=r"e.g. -7"):
-        liger_lab.cross_entropy(z.clone(), indices([0, -7, 3, 2]), reduction="sum")
+    for target, reduction, example in (([0, 1, 10**9, 2], "mean", "1000000000"), ([0, -7, 3, 2], "sum", "-7")):
+        logits = z * 1.0
+        before = logits.detach().clone()
+        with pytest.raises(ValueError, match=rf"e.g. {example}"):
+            liger_lab.cross_entropy(logits, indices(target), reduction=reduction, in_place_backward=in_place)
+        assert torch.equal(logits.detach(), before)
+
+
+@pytest.mark.parametrize("ignore_index", [2**63, -(2**63) - 1, 1.5, True])
+def test_ignore_index_outside_int64_is_a_value_error(ignore_index):
+    with pytest.raises(ValueError, match="ignore_index"):
+        liger_lab.cross_entropy(randn(4, 10), indices([0, 1, 2, 3]), ignore_index=ignore_index)
 
 
 def test_reference_matches_torch():

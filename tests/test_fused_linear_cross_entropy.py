@@ -66,17 +66,18 @@ def test_any_chunk_size_gives_the_same_result(chunk_tokens):
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_fp32_loss_of_fp16_inputs_is_not_rounded(reduction):
+    """The default loss is fp32 (a half loss rounds 12.16 to 12.19); loss_dtype asks for another."""
     hidden, weight, target = inputs(dtype=torch.float16)
-    rounded = liger_lab.fused_linear_cross_entropy(hidden, weight, target, chunk_tokens=CHUNK, reduction=reduction)
-    exact = liger_lab.fused_linear_cross_entropy(
-        hidden, weight, target, chunk_tokens=CHUNK, reduction=reduction, loss_dtype=torch.float32
+    rounded = liger_lab.fused_linear_cross_entropy(
+        hidden, weight, target, chunk_tokens=CHUNK, reduction=reduction, loss_dtype=torch.float16
     )
+    exact = liger_lab.fused_linear_cross_entropy(hidden, weight, target, chunk_tokens=CHUNK, reduction=reduction)
     assert rounded.dtype == torch.float16 and exact.dtype == torch.float32
     expected = reference.fused_linear_cross_entropy(hidden.double(), weight.double(), target, reduction=reduction)
     assert relative_l2_error(exact, expected) < 1e-3
     torch.testing.assert_close(exact.half(), rounded)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = liger_lab.fused_linear_cross_entropy(h, w, target, chunk_tokens=CHUNK, loss_dtype=torch.float32)
+    loss = liger_lab.fused_linear_cross_entropy(h, w, target, chunk_tokens=CHUNK)
     assert _check([hidden, weight, target], chunk_tokens=CHUNK) and loss.dtype == torch.float32
     loss.backward()
     assert h.grad.dtype == torch.float16 and w.grad.dtype == torch.float16
@@ -164,7 +165,7 @@ def test_plain_backward_and_second_backward():
     loss.backward(retain_graph=True)  # upstream gradient exactly 1: the scaling pass is skipped
     expected = reference_grad(reference.fused_linear_cross_entropy, hidden, weight.double(), target)
     assert relative_l2_error(hidden.grad, expected) < 1e-5
-    with pytest.raises(RuntimeError, match="backward ran twice"):
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
 
@@ -312,3 +313,31 @@ def test_peak_memory_at_the_design_shape():
     in_place_peak = runtime.peak_memory_bytes(lambda: step(in_place=True))
     chunk = flce_module.chunk_tokens_for(n, vocab, torch.bfloat16)
     assert in_place_peak <= (vocab * hidden_size + chunk * vocab) * 2 + 2**20, "dW and one chunk, no dh buffer"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"loss_dtype": torch.int64}, "loss_dtype"),
+        ({"loss_dtype": "float32"}, "loss_dtype"),
+        ({"ignore_index": 2**63}, "ignore_index"),
+        ({"ignore_index": 0.5}, "ignore_index"),
+        ({"accumulation": "fp64"}, "accumulation"),
+    ],
+)
+def test_bad_options_are_value_errors(options, message):
+    hidden, weight, target = inputs()
+    with pytest.raises(ValueError, match=message):
+        liger_lab.fused_linear_cross_entropy(hidden, weight, target, **options)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_out_of_range_target_leaves_hidden_untouched(in_place):
+    hidden, weight, target = inputs()
+    target[3] = weight.shape[0]
+    leaf = hidden.clone().requires_grad_()
+    h = leaf * 1.0
+    before = h.detach().clone()
+    with pytest.raises(ValueError, match="out of range"):
+        liger_lab.fused_linear_cross_entropy(h, weight, target, chunk_tokens=CHUNK, in_place_backward=in_place)
+    assert torch.equal(h.detach(), before)

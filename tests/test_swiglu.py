@@ -194,7 +194,7 @@ def test_double_backward_is_refused():
     gate, up = randn(4, 8).requires_grad_(), randn(4, 8).requires_grad_()
     upstream = randn(4, 8).requires_grad_()
     (d_gate,) = torch.autograd.grad(liger_lab.swiglu(gate, up), gate, upstream, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
+    with pytest.raises(RuntimeError, match="differentiate twice|no autograd formula"):
         d_gate.sum().backward()
 
 

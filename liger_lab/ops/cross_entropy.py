@@ -30,7 +30,7 @@ the host reads only after the big kernel is queued, so the GPU never waits for t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 
 import torch
 import triton
@@ -44,10 +44,11 @@ REDUCTIONS = ("mean", "sum", "none")
 
 @triton.jit
 def _cross_entropy_kernel(
-    z_ptr, z_row_stride, target_ptr, loss_ptr, row_scale_ptr, count_ptr,
+    z_ptr, z_row_stride, grad_ptr, grad_row_stride, target_ptr, loss_ptr, row_scale_ptr, count_ptr,
     n_rows, n_cols, ignore_index, label_smoothing, softcap, z_loss_scale, grad_scale,
     SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    ROW_SCALE: tl.constexpr, DIVIDE_BY_COUNT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROW_SCALE: tl.constexpr, COUNTS: tl.constexpr, DIVIDE_BY_COUNT: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
@@ -56,6 +57,7 @@ def _cross_entropy_kernel(
     # which may be after this kernel started: such a row is skipped here, never read out of bounds.
     valid = row_mask & (target != ignore_index) & (target >= 0) & (target < n_cols)
     row_ptr = z_ptr + rows.to(tl.int64) * z_row_stride  # int64: 16k rows x 128k columns passes 2**31
+    grad_row_ptr = grad_ptr + rows.to(tl.int64) * grad_row_stride
     cols = tl.arange(0, BLOCK_N)
 
     # Pass 1: running max m and sum s of exp(z - m) over blocks of the row, in fp32. Ignored rows
@@ -90,8 +92,13 @@ def _cross_entropy_kernel(
         loss += z_loss_scale * lse * lse
     tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
 
-    if WRITE_GRAD:
-        # Pass 2: the gradient, written over the logits it was computed from (this program has read
+    # A target out of range anywhere (counted by the small kernel that ran before this one) means the
+    # call raises a ValueError: then no gradient is written, so the caller's logits stay intact.
+    no_bad_target = True
+    if COUNTS:
+        no_bad_target = tl.load(count_ptr + 1) == 0
+    if WRITE_GRAD and no_bad_target:
+        # Pass 2: the gradient, into grad (which may be the logits themselves: this program has read
         # everything it needs from this row already). Ignored rows get exact zeros.
         coef = tl.where(valid, grad_scale, 0.0)
         if DIVIDE_BY_COUNT:  # a mean's 1 / (rows kept), counted on the GPU
@@ -107,6 +114,7 @@ def _cross_entropy_kernel(
             start = (n_blocks - 1 - back) * BLOCK_N
             in_row = ((start + cols) < n_cols)[None, :]
             ptrs = row_ptr[:, None] + (start + cols)[None, :]
+            grad_ptrs = grad_row_ptr[:, None] + (start + cols)[None, :]
             # evict_first on this last read and on the store: neither is read again, so they should not
             # push blocks that pass 1 of other rows will need out of L2.
             z = tl.load(ptrs, mask=valid[:, None] & in_row, other=0.0, eviction_policy="evict_first").to(tl.float32)
@@ -121,7 +129,10 @@ def _cross_entropy_kernel(
                 grad *= 1 - tanh * tanh
             grad *= coef[:, None]
             tl.store(
-                ptrs, grad.to(z_ptr.dtype.element_ty), mask=row_mask[:, None] & in_row, eviction_policy="evict_first"
+                grad_ptrs,
+                grad.to(grad_ptr.dtype.element_ty),
+                mask=row_mask[:, None] & in_row,
+                eviction_policy="evict_first",
             )
 
 
@@ -184,8 +195,9 @@ class LossOptions:
 
 
 def check_loss_options(options: LossOptions) -> None:
-    if isinstance(options.ignore_index, bool) or not isinstance(options.ignore_index, int):
-        raise ValueError(f"ignore_index is {options.ignore_index!r}: expected an int")
+    index = options.ignore_index
+    if isinstance(index, bool) or not isinstance(index, int) or not -(2**63) <= index < 2**63:
+        raise ValueError(f"ignore_index is {index!r}: expected an int in the int64 range")
     if not 0.0 <= options.label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing is {options.label_smoothing}: expected a number in [0, 1]")
     if options.reduction not in REDUCTIONS:
@@ -240,25 +252,29 @@ def cross_entropy_rows(
     loss: torch.Tensor,
     options: LossOptions,
     *,
-    write_grad: bool,
+    grad: torch.Tensor | None = None,
     grad_scale: float = 1.0,
     row_scale: torch.Tensor | None = None,
-    divide_by: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    divide_by_count: bool = False,
 ) -> None:
     """Launch the kernel on a (rows, V) view with unit column stride: per-row fp32 losses into ``loss``;
-    with ``write_grad``, the gradient times ``grad_scale`` (times ``row_scale[r]`` when given, divided by
-    ``max(divide_by[0], 1)`` when given: a count on the GPU) over ``logits``."""
+    when ``grad`` (rows, V) is given (it may be ``logits`` itself), the gradient times ``grad_scale``
+    (times ``row_scale[r]`` when given) into it. ``counts`` from :func:`count_targets`, when given: no
+    gradient is written if any target is out of range, and ``divide_by_count`` divides it by the kept
+    count (a mean's 1/n, read on the GPU)."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
     launch = runtime.streaming_row_launch(n_rows, n_cols)
     _cross_entropy_kernel[(launch.grid,)](
-        logits, logits.stride(0), target, loss, row_scale if row_scale is not None else loss,
-        divide_by if divide_by is not None else loss, n_rows, n_cols, options.ignore_index,
+        logits, logits.stride(0), grad if grad is not None else logits, grad.stride(0) if grad is not None else 0,
+        target, loss, row_scale if row_scale is not None else loss, counts if counts is not None else loss,
+        n_rows, n_cols, options.ignore_index,
         options.label_smoothing, options.softcap or 1.0, options.z_loss_scale, grad_scale,
         SOFTCAP=options.softcap is not None, SMOOTHING=options.label_smoothing > 0, Z_LOSS=options.z_loss_scale > 0,
-        WRITE_GRAD=write_grad, ROW_SCALE=row_scale is not None, DIVIDE_BY_COUNT=divide_by is not None,
-        ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+        WRITE_GRAD=grad is not None, ROW_SCALE=row_scale is not None, COUNTS=counts is not None,
+        DIVIDE_BY_COUNT=divide_by_count, ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
     )  # fmt: skip
 
 
@@ -289,51 +305,142 @@ def reduce_loss(loss: torch.Tensor, reduction: str, n_valid: int, dtype: torch.d
     return total.to(dtype)
 
 
-def _writable_rows(logits: torch.Tensor) -> torch.Tensor:
-    """A (rows, V) view the kernel may overwrite: the caller's own buffer whenever it can be
-    (:func:`rows_to_overwrite`; the point of the in-place gradient), else one contiguous copy."""
+def _cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, options: LossOptions, grad: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the loss on ``logits`` (rows, V), the gradient into ``grad`` (rows, V) when given (which may be
+    ``logits``). Returns (fp32 loss, reduced as asked; the fp32 factor the backward still owes the
+    gradient, 1 or 1/kept). Raises ValueError on a target out of range, with ``grad`` left unwritten."""
+    n_classes = logits.shape[1]
+    loss = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    flat_target = target.reshape(-1).contiguous()
+    counts = count_targets(flat_target, n_classes, options.ignore_index)
+    read_counts = runtime.read_later(counts)
+    mean = options.reduction == "mean"
+    # The 1/n of a mean goes into the stored gradient (so a plain backward has nothing left to do), except
+    # in fp16: p / n ~ 1e-9 for 8192 tokens over a 128k vocabulary underflows (fp16 stops at 6e-8), so
+    # fp16 stores softmax - onehot and the backward applies 1/n with the upstream gradient.
+    mean_in_kernel = mean and logits.dtype != torch.float16
+    cross_entropy_rows(
+        logits, flat_target, loss, options, grad=grad, counts=counts, divide_by_count=mean_in_kernel
+    )  # fmt: skip
+    n_valid = kept_count(read_counts(), n_classes, options.ignore_index)
+    owed = 1.0 / max(n_valid, 1) if mean and not mean_in_kernel else 1.0
+    total = reduce_loss(loss, options.reduction, n_valid, torch.float32, target.shape)
+    return total, torch.tensor(owed, dtype=torch.float32, device=logits.device)
+
+
+def _loss_like(logits: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The fp32 loss the op returns: one per row for reduction="none", else a scalar."""
+    return logits.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# PyTorch operators (see liger_lab/ops/rms_norm.py). The default op writes the gradient into a fresh
+# buffer; the in-place variant, which writes it over the caller's logits, is a mutating op.
+
+
+@torch.library.custom_op("liger_lab::cross_entropy", mutates_args=())
+def cross_entropy_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    softcap: float | None,
+    z_loss_scale: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 loss, gradient (rows, V) or an empty tensor, fp32 factor the backward still owes it)."""
+    options = LossOptions(ignore_index, label_smoothing, reduction, softcap, z_loss_scale)
+    rows = as_rows(logits)
+    grad = torch.empty(rows.shape if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
+    loss, owed = _cross_entropy(rows, target, options, grad if compute_grad else None)
+    return loss, grad, owed
+
+
+# fmt: skip
+
+
+@cross_entropy_op.register_fake
+def _(logits, target, ignore_index, label_smoothing, reduction, softcap, z_loss_scale, compute_grad):
+    rows = logits.shape[:-1].numel()
+    grad = logits.new_empty((rows, logits.shape[-1]) if compute_grad else (0,))
+    return _loss_like(logits, target, reduction), grad, logits.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("liger_lab::cross_entropy_", mutates_args=("logits",))
+def cross_entropy_in_place_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    softcap: float | None,
+    z_loss_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 loss, owed factor), the gradient written over ``logits`` (unit column stride, rows apart)."""
+    options = LossOptions(ignore_index, label_smoothing, reduction, softcap, z_loss_scale)
     rows = rows_to_overwrite(logits)
-    if rows is None:
-        rows = logits.clone(memory_format=torch.contiguous_format).view(logits.shape[:-1].numel(), logits.shape[-1])
-    return rows
+    return _cross_entropy(rows, target, options, rows)
 
 
-class CrossEntropyFunction(torch.autograd.Function):
+# fmt: skip
+
+
+@cross_entropy_in_place_op.register_fake
+def _(logits, target, ignore_index, label_smoothing, reduction, softcap, z_loss_scale):
+    return _loss_like(logits, target, reduction), logits.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("liger_lab::scale_rows_", mutates_args=("x",))
+def scale_rows_in_place_op(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """x *= scale, for ``x`` (..., n) with unit column stride and a scalar or per-row ``scale``; skipped on
+    the GPU when the scale is exactly 1."""
+    scale_rows(rows_to_overwrite(x), scale)
+
+
+scale_rows_in_place_op.register_fake(lambda x, scale: None)
+
+
+def _scale_owed(grad: torch.Tensor, grad_loss: torch.Tensor, owed: torch.Tensor) -> torch.Tensor:
+    """The saved gradient times the upstream gradient (and what the forward still owed it), in place."""
+    torch.ops.liger_lab.scale_rows_(grad, grad_loss.float() * owed)
+    return grad
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2])
+    ctx.logits_shape = inputs[0].shape
+
+
+def _backward(ctx, grad_loss, _dgrad, _dowed):
+    # Scaling the saved gradient in place bumps its version: a second backward through the same graph
+    # (retain_graph) then fails with autograd's "modified by an inplace operation" instead of scaling twice.
+    grad, owed = ctx.saved_tensors
+    return _scale_owed(grad, grad_loss, owed).view(ctx.logits_shape), None, None, None, None, None, None, None
+
+
+cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _CrossEntropyInPlace(torch.autograd.Function):
+    """Autograd of the in-place variant (PyTorch registers autograd formulas on functional ops only)."""
+
     @staticmethod
-    def forward(ctx, logits, target, options, write_grad):
-        rows = _writable_rows(logits) if write_grad else as_rows(logits)
-        n_classes = rows.shape[1]
-        loss = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
-        flat_target = target.reshape(-1).contiguous()
-        counts = count_targets(flat_target, n_classes, options.ignore_index)
-        read_counts = runtime.read_later(counts)
-        mean = options.reduction == "mean"
-        # The 1/n of a mean goes into the stored gradient (so a plain backward has nothing left to do),
-        # except in fp16: p / n ~ 1e-9 for 8192 tokens over a 128k vocabulary underflows (fp16 stops at
-        # 6e-8), so fp16 stores softmax - onehot and the backward applies 1/n with the upstream gradient.
-        mean_in_kernel = mean and logits.dtype != torch.float16
-        cross_entropy_rows(
-            rows, flat_target, loss, options, write_grad=write_grad, divide_by=counts if mean_in_kernel else None
-        )
-        if write_grad and rows.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
-            # The logits now hold their gradient: a node that saved them for its own backward gets autograd's
-            # "modified by an inplace operation" error instead of computing with a gradient.
-            torch.autograd.graph.increment_version(logits)
-        n_valid = kept_count(read_counts(), n_classes, options.ignore_index)
-        ctx.grad_rows, ctx.logits_shape = (rows if write_grad else None), logits.shape
-        ctx.backward_scale = 1.0 / max(n_valid, 1) if mean and not mean_in_kernel else 1.0
-        return reduce_loss(loss, options.reduction, n_valid, logits.dtype, target.shape)
+    def forward(ctx, logits, target, options):
+        loss, owed = torch.ops.liger_lab.cross_entropy_(logits, target, *astuple(options))
+        # logits now hold their gradient (the op bumped their version: a node that saved them for its own
+        # backward gets autograd's "modified by an inplace operation" error instead of using a gradient).
+        # Saved detached: the gradient is data now, not a node of the graph that made the logits.
+        ctx.save_for_backward(logits.detach(), owed)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        rows, ctx.grad_rows = ctx.grad_rows, None
-        if rows is None:
-            raise RuntimeError(
-                "liger_lab.cross_entropy: backward ran twice through one forward; its gradient is computed in "
-                "the forward and handed over once (no retain_graph)"
-            )
-        scale_rows(rows, grad_loss if ctx.backward_scale == 1.0 else grad_loss.float() * ctx.backward_scale)
-        return rows.view(ctx.logits_shape), None, None, None
+        grad, owed = ctx.saved_tensors
+        # detach(): a fresh tensor object over the logits' memory, so a leaf's .grad is never the leaf itself
+        return _scale_owed(grad, grad_loss, owed).detach(), None, None
 
 
 def cross_entropy(
@@ -345,22 +452,23 @@ def cross_entropy(
     reduction: str = "mean",
     softcap: float | None = None,
     z_loss_scale: float = 0.0,
+    in_place_backward: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of ``logits`` (..., V) against class indices ``target`` (...), with the options of
     ``torch.nn.functional.cross_entropy`` (class dimension last) plus a tanh ``softcap`` of the logits
     (Gemma 2) and a ``z_loss_scale * lse**2`` penalty (PaLM). Returns the logits' dtype.
 
-    .. warning:: **The logits are overwritten.** When ``logits`` requires grad (and grad mode is on), the
-       forward writes the gradient over the logits buffer, so no second logits-sized tensor is ever
-       allocated. After the call the tensor you passed holds ``dloss/dlogits``, not logits: compute
-       anything else you need from the logits (accuracy, a second loss) *before*, or pass
-       ``logits.clone()``. The exceptions, which are copied first: an ``nn.Parameter``, and a layout the
-       kernel cannot write row by row (non-unit column stride, overlapping rows). Logits that do not
-       require grad are only read. If another autograd node saved these logits for its own backward,
-       that backward raises PyTorch's "modified by an inplace operation" error instead of going wrong.
-       Because the gradient is made once in the forward, the graph can be backpropagated once. Targets
-       are range-checked while the kernel runs: when that raises a ValueError, the logits may already
-       have been overwritten.
+    The gradient is computed in the forward, in the same two passes over each row as the loss, into a
+    buffer of the logits' size (what PyTorch's backward allocates too); the backward only scales it.
+    The caller's tensors are never modified, and the graph can be backpropagated once.
+
+    ``in_place_backward=True`` writes the gradient **over the logits** instead, so no second
+    logits-sized buffer exists (2 GiB for 8192 x 128k bf16). After the call the tensor you passed holds
+    ``dloss/dlogits``, not logits: compute anything else you need from them (accuracy, a z-loss, a second
+    loss) *before*. An ``nn.Parameter`` and a layout the kernel cannot write row by row (non-unit column
+    stride, overlapping rows) take the default path instead. A node that saved these logits for its own
+    backward then raises PyTorch's "modified by an inplace operation" error instead of going wrong.
+    A target out of range raises ValueError in either mode with every caller tensor left untouched.
     """
     options = LossOptions(ignore_index, float(label_smoothing), reduction, softcap, float(z_loss_scale))
     check_loss_options(options)
@@ -368,5 +476,10 @@ def cross_entropy(
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits has shape {tuple(logits.shape)}: expected (..., V) with V >= 1 classes")
     check_target_tensor(target, logits.shape[:-1])
-    write_grad = logits.requires_grad and torch.is_grad_enabled()
-    return CrossEntropyFunction.apply(logits, target, options, write_grad)
+    options = replace(options, softcap=None if softcap is None else float(softcap))
+    compute_grad = logits.requires_grad and torch.is_grad_enabled()
+    if compute_grad and in_place_backward and rows_to_overwrite(logits) is not None:
+        loss = _CrossEntropyInPlace.apply(logits, target, options)
+    else:
+        loss = torch.ops.liger_lab.cross_entropy(logits, target, *astuple(options), compute_grad)[0]
+    return loss.to(logits.dtype)

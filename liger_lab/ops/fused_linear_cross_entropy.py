@@ -51,6 +51,7 @@ from liger_lab.ops.cross_entropy import (
     LossOptions,
     check_loss_options,
     check_target,
+    check_target_tensor,
     cross_entropy_rows,
     reduce_loss,
     scale_rows,
@@ -147,7 +148,8 @@ def _chunk_loop(
         else:
             torch.addmm(bias, h, weight.t(), out=z)
         scale = None if row_scale is None else row_scale[start:end]
-        cross_entropy_rows(z, target[start:end], loss[start:end], options, write_grad=write_grad, row_scale=scale)
+        grad_z = z if write_grad else None  # dz over z
+        cross_entropy_rows(z, target[start:end], loss[start:end], options, grad=grad_z, row_scale=scale)
         if need_w:
             _accumulate_weight_grad(grad_w, z.t(), h, grad_scale, first=start == 0)
         if need_b:
@@ -157,72 +159,247 @@ def _chunk_loop(
     return grad_h, grad_w, grad_b
 
 
-def _can_write_over(hidden: torch.Tensor, needs: tuple[bool, bool, bool], reduction: str) -> bool:
-    """Whether dh may go over ``hidden``: only for gradients made in the forward (reduction="none" reads
-    hidden again in the backward), and only where :func:`rows_to_overwrite` allows."""
-    return needs[0] and reduction != "none" and rows_to_overwrite(hidden) is not None
-
-
 def _token_rows(hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, H) hidden states and (tokens,) contiguous targets."""
     return hidden.reshape(hidden.shape[:-1].numel(), hidden.shape[-1]), target.reshape(-1).contiguous()
 
 
-class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+def _forward(
+    hidden, weight, target, bias, options, chunk_tokens, accumulation, needs, *, grad_h_over_hidden=False
+):  # fmt: skip
+    """The op's work: (fp32 loss reduced as asked, dh or None, dW accumulator or None, db fp32 or None).
+    Gradients are made here except for reduction="none", whose backward runs the loop again."""
+    rows, flat_target = _token_rows(hidden, target)
+    # Every target is range-checked before anything is written (a ValueError leaves hidden intact).
+    n_valid = check_target(target, hidden.shape[:-1], weight.shape[0], options.ignore_index)
+    loss = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
+    precompute = any(needs) and options.reduction != "none"
+    grad_scale = 1.0 / max(n_valid, 1) if options.reduction == "mean" else 1.0
+    chunk = _chunk(rows, weight, chunk_tokens, needs[0] and precompute and not grad_h_over_hidden)
+    grads = _chunk_loop(
+        rows, weight, bias, flat_target, loss, options, chunk=chunk,
+        grads=(*needs, accumulation_dtype(weight, accumulation)) if precompute else None,
+        grad_scale=grad_scale, grad_h_over_hidden=grad_h_over_hidden,
+    )  # fmt: skip
+    return reduce_loss(loss, options.reduction, n_valid, torch.float32, target.shape), *grads
+
+
+def _chunk(rows: torch.Tensor, weight: torch.Tensor, chunk_tokens: int | None, separate_grad_h: bool) -> int:
+    """The caller's chunk size, or the one the budget allows (less the hidden gradient's own buffer)."""
+    if chunk_tokens is not None:
+        return chunk_tokens
+    other = rows.numel() * rows.element_size() if separate_grad_h else 0
+    return chunk_tokens_for(rows.shape[0], weight.shape[0], rows.dtype, other_bytes=other)
+
+
+def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Operators return tensors, never None: a gradient nobody asked for is an empty tensor."""
+    return like.new_empty(0) if grad is None else grad
+
+
+def _empty_grads_like(hidden, weight, bias, accumulation, needs, *, with_hidden=True):
+    """The fake (shape-only) gradients of :func:`_forward`, as the operators return them."""
+    grad_h = hidden.new_empty(hidden.shape[:-1].numel(), hidden.shape[-1]) if needs[0] else hidden.new_empty(0)
+    grad_w = weight.new_empty(weight.shape, dtype=accumulation_dtype(weight, accumulation)) if needs[1] else None
+    grad_b = weight.new_empty(weight.shape[0], dtype=torch.float32) if needs[2] else None
+    grads = (grad_h,) if with_hidden else ()
+    return (*grads, _or_empty(grad_w, weight), _or_empty(grad_b, weight))
+
+
+def _loss_like(hidden: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
+    return hidden.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# PyTorch operators (see liger_lab/ops/rms_norm.py). The default op returns the gradients it made in
+# the forward; the in-place variant, which writes dh over hidden, is a mutating op.
+
+
+@torch.library.custom_op("liger_lab::fused_linear_cross_entropy", mutates_args=())
+def fused_linear_cross_entropy_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    softcap: float | None,
+    chunk_tokens: int | None,
+    accumulation: str,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 loss, dh (tokens, H), dW accumulator, db fp32); a gradient not in ``needs`` (hidden, weight,
+    bias), or every gradient for reduction="none", is an empty tensor."""
+    options = LossOptions(ignore_index, label_smoothing, reduction, softcap, 0.0)
+    loss, grad_h, grad_w, grad_b = _forward(hidden, weight, target, bias, options, chunk_tokens, accumulation, needs)
+    return loss, _or_empty(grad_h, hidden), _or_empty(grad_w, weight), _or_empty(grad_b, weight)
+
+
+# fmt: skip
+
+
+@fused_linear_cross_entropy_op.register_fake
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, chunk_tokens, accumulation,
+      needs):  # fmt: skip
+    needs = needs if reduction != "none" else [False] * 3
+    return _loss_like(hidden, target, reduction), *_empty_grads_like(hidden, weight, bias, accumulation, needs)
+
+
+@torch.library.custom_op("liger_lab::fused_linear_cross_entropy_", mutates_args=("hidden",))
+def fused_linear_cross_entropy_in_place_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    softcap: float | None,
+    chunk_tokens: int | None,
+    accumulation: str,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 loss, dW accumulator, db fp32), dh written over ``hidden`` (needs[0] must be set, reduction
+    "mean" or "sum", hidden overwritable row by row)."""
+    options = LossOptions(ignore_index, label_smoothing, reduction, softcap, 0.0)
+    loss, _, grad_w, grad_b = _forward(
+        rows_to_overwrite(hidden),
+        weight,
+        target.reshape(-1),
+        bias,
+        options,
+        chunk_tokens,
+        accumulation,
+        needs,
+        grad_h_over_hidden=True,
+    )
+    return loss, _or_empty(grad_w, weight), _or_empty(grad_b, weight)
+
+
+# fmt: skip
+
+
+@fused_linear_cross_entropy_in_place_op.register_fake
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, chunk_tokens, accumulation,
+      needs):  # fmt: skip
+    grads = _empty_grads_like(hidden, weight, bias, accumulation, needs, with_hidden=False)
+    return _loss_like(hidden, target, reduction), *grads
+
+
+@torch.library.custom_op("liger_lab::fused_linear_cross_entropy_backward", mutates_args=())
+def fused_linear_cross_entropy_backward_op(
+    grad_loss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    chunk_tokens: int | None,
+    accumulation: str,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reduction="none": the chunk loop again with one upstream gradient per token folded into dz (dW
+    needs it inside the sum over tokens). Returns (dh, dW accumulator, db fp32), empty where not needed."""
+    options = LossOptions(ignore_index, label_smoothing, "none", softcap, 0.0)
+    rows, flat_target = _token_rows(hidden, target)
+    loss = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
+    # contiguous(): the kernel reads one scale per row, and loss.sum().backward() hands over an
+    # expanded (stride 0) gradient.
+    row_scale = grad_loss.reshape(-1).float().contiguous()
+    grad_h, grad_w, grad_b = _chunk_loop(
+        rows, weight, bias, flat_target, loss, options, chunk=_chunk(rows, weight, chunk_tokens, needs[0]),
+        grads=(*needs, accumulation_dtype(weight, accumulation)), row_scale=row_scale,
+    )  # fmt: skip
+    return _or_empty(grad_h, hidden), _or_empty(grad_w, weight), _or_empty(grad_b, weight)
+
+
+# fmt: skip
+
+
+@fused_linear_cross_entropy_backward_op.register_fake
+def _(grad_loss, hidden, weight, target, bias, ignore_index, label_smoothing, softcap, chunk_tokens, accumulation,
+      needs):  # fmt: skip
+    return _empty_grads_like(hidden, weight, bias, accumulation, needs)
+
+
+@torch.library.custom_op("liger_lab::scale_rows", mutates_args=())
+def scale_rows_op(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale, rounded to ``dtype`` in the same pass (the fp32 dW accumulator to the weight's dtype)."""
+    return scale_rows(x, scale, out=torch.empty_like(x, dtype=dtype))
+
+
+scale_rows_op.register_fake(lambda x, scale, dtype: torch.empty_like(x, dtype=dtype))
+
+
+def _finish_grads(grad_h, grad_w, grad_b, grad_loss, ctx):
+    """Gradients made in the forward, times the upstream gradient, in the inputs' dtypes and shapes.
+    Scaling happens in place (skipped on the GPU when the upstream gradient is exactly 1)."""
+    needs_h, needs_w, needs_b = ctx.needs
+    if needs_h:
+        torch.ops.liger_lab.scale_rows_(grad_h, grad_loss)
+        grad_h = grad_h.view(ctx.hidden_shape)
+    if needs_w and grad_w.dtype == ctx.weight_dtype:
+        torch.ops.liger_lab.scale_rows_(grad_w, grad_loss)
+    elif needs_w:  # the fp32 accumulator: scale and round in one pass
+        grad_w = torch.ops.liger_lab.scale_rows(grad_w, grad_loss.float(), ctx.weight_dtype)
+    if needs_b:
+        grad_b = (grad_b * grad_loss.float()).to(ctx.weight_dtype)
+    return (grad_h if needs_h else None), (grad_w if needs_w else None), (grad_b if needs_b else None)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, target, bias, *options, chunk_tokens, accumulation, needs = inputs
+    ctx.needs, ctx.hidden_shape, ctx.weight_dtype = tuple(needs), hidden.shape, weight.dtype
+    ctx.reduction = options[2]
+    if ctx.reduction == "none":  # the backward runs the chunk loop again
+        ctx.save_for_backward(hidden, weight, target, bias)
+        ctx.arguments = (options[0], options[1], options[3], chunk_tokens, accumulation, needs)
+    else:
+        # The gradients get scaled in place in the backward: that bumps their versions, so a second
+        # backward through the same graph fails with "modified by an inplace operation" instead of
+        # scaling them twice.
+        ctx.save_for_backward(*output[1:])
+
+
+def _backward(ctx, grad_loss, *_unused):
+    if ctx.reduction == "none":
+        hidden, weight, target, bias = ctx.saved_tensors
+        grad_h, grad_w, grad_b = torch.ops.liger_lab.fused_linear_cross_entropy_backward(
+            grad_loss, hidden, weight, target, bias, *ctx.arguments
+        )
+        grad_h = grad_h.view(ctx.hidden_shape) if ctx.needs[0] else None
+        grad_w = grad_w.to(ctx.weight_dtype) if ctx.needs[1] else None
+        grad_b = grad_b.to(ctx.weight_dtype) if ctx.needs[2] else None
+    else:
+        grad_h, grad_w, grad_b = _finish_grads(*ctx.saved_tensors, grad_loss, ctx)
+    return grad_h, grad_w, None, grad_b, None, None, None, None, None, None, None
+
+
+fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _FusedLinearCrossEntropyInPlace(torch.autograd.Function):
+    """Autograd of the in-place variant (PyTorch registers autograd formulas on functional ops only)."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, options, n_valid, needs, chunk, acc_dtype, loss_dtype, in_place):
-        rows, flat_target = _token_rows(hidden, target)
-        loss = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
-        precompute = any(needs) and options.reduction != "none"
-        grads = (*needs, acc_dtype) if precompute else None
-        grad_scale = 1.0 / max(n_valid, 1) if options.reduction == "mean" else 1.0
-        ctx.grads = _chunk_loop(
-            rows, weight, bias, flat_target, loss, options, chunk=chunk, grads=grads, grad_scale=grad_scale,
-            grad_h_over_hidden=in_place,
-        )  # fmt: skip
-        if in_place:
-            # hidden now holds its gradient: a later reader that saved it gets autograd's "modified by an
-            # inplace operation" error instead of computing with a gradient as if it were an activation.
-            torch.autograd.graph.increment_version(hidden)
-        ctx.options, ctx.needs, ctx.chunk, ctx.acc_dtype = options, needs, chunk, acc_dtype
-        ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
-        if any(needs) and not precompute:  # reduction="none": the backward runs the loop again
-            ctx.save_for_backward(hidden, weight, bias, target)
-        return reduce_loss(loss, options.reduction, n_valid, loss_dtype, target.shape)
+    def forward(ctx, hidden, weight, target, bias, arguments):
+        needs = arguments[-1]
+        loss, grad_w, grad_b = torch.ops.liger_lab.fused_linear_cross_entropy_(hidden, weight, target, bias, *arguments)
+        # hidden now holds its gradient (the op bumped its version: a node that saved it for its own
+        # backward gets autograd's "modified by an inplace operation" error instead of using a gradient).
+        # Saved detached: the gradient is data now, not a node of the graph that made hidden.
+        ctx.save_for_backward(hidden.detach(), grad_w, grad_b)
+        ctx.needs, ctx.hidden_shape, ctx.weight_dtype = tuple(needs), hidden.shape, weight.dtype
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if ctx.options.reduction == "none":
-            hidden, weight, bias, target = ctx.saved_tensors
-            rows, flat_target = _token_rows(hidden, target)
-            loss = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
-            # contiguous(): the kernel reads one scale per row, and loss.sum().backward() hands over an
-            # expanded (stride 0) gradient.
-            row_scale = grad_loss.reshape(-1).float().contiguous()
-            grad_h, grad_w, grad_b = _chunk_loop(
-                rows, weight, bias, flat_target, loss, ctx.options, chunk=ctx.chunk,
-                grads=(*ctx.needs, ctx.acc_dtype), row_scale=row_scale,
-            )  # fmt: skip
-        else:
-            if ctx.grads is None:
-                raise RuntimeError(
-                    "liger_lab.fused_linear_cross_entropy: backward ran twice through one forward; its gradients "
-                    "are computed in the forward and handed over once (no retain_graph)"
-                )
-            (grad_h, grad_w, grad_b), ctx.grads = ctx.grads, None
-            if grad_h is not None:
-                scale_rows(grad_h, grad_loss)
-            if grad_w is not None and grad_w.dtype == ctx.weight_dtype:
-                scale_rows(grad_w, grad_loss)
-            elif grad_w is not None:  # the fp32 accumulator: scale and round in one pass
-                grad_w = scale_rows(grad_w, grad_loss, out=torch.empty_like(grad_w, dtype=ctx.weight_dtype))
-            if grad_b is not None:
-                grad_b = grad_b * grad_loss.float()
-        grad_w = None if grad_w is None else grad_w.to(ctx.weight_dtype)
-        grad_b = None if grad_b is None else grad_b.to(ctx.weight_dtype)
+        grad_h, grad_w, grad_b = _finish_grads(*ctx.saved_tensors, grad_loss, ctx)
         # detach(): a fresh tensor object over hidden's memory, so a leaf's .grad is never the leaf itself
-        grad_h = None if grad_h is None else grad_h.view(ctx.hidden_shape).detach()
-        return grad_h, grad_w, None, grad_b, None, None, None, None, None, None, None
+        return grad_h.detach(), grad_w, None, grad_b, None
 
 
 def fused_linear_cross_entropy(
@@ -237,22 +414,21 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     chunk_tokens: int | None = None,
     accumulation: str | None = None,
-    loss_dtype: torch.dtype | None = None,
+    loss_dtype: torch.dtype = torch.float32,
     in_place_backward: bool = False,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without ever holding the N x V logits.
 
     hidden (..., H), weight (V, H) (an ``lm_head`` weight, possibly tied to the input embedding: its
     gradient is returned like any other and autograd adds the embedding's), target (...) class
-    indices, bias (V,) or None. Options as :func:`liger_lab.cross_entropy`. Returns hidden's dtype.
+    indices, bias (V,) or None. Options as :func:`liger_lab.cross_entropy`.
 
-    ``chunk_tokens`` overrides the chunk size derived from :data:`CHUNK_BUDGET_BYTES`;
-    ``accumulation`` ("auto", "fp32", "weight_dtype"; default :data:`ACCUMULATION`) picks how dW is
-    summed over chunks. ``loss_dtype`` (default: hidden's dtype, like the reference) is the dtype of the
-    returned loss, which is computed in fp32 either way: training code that logs the loss, as Hugging
-    Face's does in fp32, passes ``torch.float32`` to skip a rounding to bf16 (12.16 becomes 12.19).
-    Gradients are computed in the forward (see the module docstring), so the graph
-    can be backpropagated once; with ``reduction="none"`` the backward recomputes the logits instead.
+    The loss is computed in fp32 and returned as ``loss_dtype`` (default float32, like Hugging Face's
+    upcast loss: a bf16 loss would round 12.16 to 12.19). ``chunk_tokens`` overrides the chunk size derived
+    from :data:`CHUNK_BUDGET_BYTES`; ``accumulation`` ("auto", "fp32", "weight_dtype"; default
+    :data:`ACCUMULATION`) picks how dW is summed over chunks. Gradients are computed in the forward (see
+    the module docstring), so the graph can be backpropagated once; with ``reduction="none"`` the
+    backward recomputes the logits instead. The caller's tensors are never modified by default.
 
     ``in_place_backward=True`` writes the gradient of ``hidden`` over ``hidden`` during the forward, each
     chunk's rows once that chunk has read them for the last time: no N x H gradient buffer (64 MiB at
@@ -284,19 +460,23 @@ def fused_linear_cross_entropy(
     bad_chunk = isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
     if chunk_tokens is not None and bad_chunk:
         raise ValueError(f"chunk_tokens is {chunk_tokens!r}: expected None or a positive int")
-    acc_dtype = accumulation_dtype(weight, ACCUMULATION if accumulation is None else accumulation)
-    n_valid = check_target(target, hidden.shape[:-1], weight.shape[0], ignore_index)
+    accumulation = ACCUMULATION if accumulation is None else accumulation
+    if accumulation not in ACCUMULATIONS:
+        raise ValueError(f"accumulation is {accumulation!r}: expected one of {ACCUMULATIONS}")
+    if not isinstance(loss_dtype, torch.dtype) or not loss_dtype.is_floating_point:
+        raise ValueError(f"loss_dtype is {loss_dtype!r}: expected a floating torch.dtype such as torch.float32")
+    check_target_tensor(target, hidden.shape[:-1])
     grad_on = torch.is_grad_enabled()
-    needs = (
+    needs = [
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
-    )
-    n_tokens = hidden.shape[:-1].numel()
-    in_place = bool(in_place_backward) and _can_write_over(hidden, needs, reduction)
-    # Without in_place the hidden gradient is a buffer of its own, paid from the same budget.
-    hidden_grad_bytes = 0 if in_place or not needs[0] else hidden.numel() * hidden.element_size()
-    chunk = chunk_tokens or chunk_tokens_for(n_tokens, weight.shape[0], hidden.dtype, other_bytes=hidden_grad_bytes)
-    return FusedLinearCrossEntropyFunction.apply(
-        hidden, weight, target, bias, options, n_valid, needs, chunk, acc_dtype, loss_dtype or hidden.dtype, in_place
-    )
+    ]
+    softcap = None if softcap is None else float(softcap)
+    arguments = (ignore_index, options.label_smoothing, reduction, softcap, chunk_tokens, accumulation, needs)
+    in_place = in_place_backward and needs[0] and reduction != "none" and rows_to_overwrite(hidden) is not None
+    if in_place:
+        loss = _FusedLinearCrossEntropyInPlace.apply(hidden, weight, target, bias, arguments)
+    else:
+        loss = torch.ops.liger_lab.fused_linear_cross_entropy(hidden, weight, target, bias, *arguments)[0]
+    return loss.to(loss_dtype)

@@ -136,26 +136,59 @@ def layer_norm_backward(
         dy, dy.stride(0), x, x.stride(0), weight, mean, rstd, dx, dx.stride(0), partials, n_rows, n_cols,
         ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
     )  # fmt: skip
-    # One reduction over programs finishes dw and db together.
-    dw, db = sum_partials(partials, weight.dtype).view(2, n_cols)
-    return dx, dw, db
+    return dx, sum_partials(partials[:, :n_cols], weight.dtype), sum_partials(partials[:, n_cols:], weight.dtype)
 
 
-class LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        rows = as_rows(x)
-        y, mean, rstd = layer_norm_forward(rows, weight, bias, eps)
-        # The bias is not needed for the gradients: its own gradient is the column sum of dy.
-        ctx.save_for_backward(rows, weight, mean, rstd)
-        ctx.x_shape = x.shape
-        return y.view(x.shape)
+# --------------------------------------------------------------------------------------------------
+# PyTorch operators (see liger_lab/ops/rms_norm.py): what torch.compile sees instead of the launchers.
 
-    @staticmethod
-    def backward(ctx, dy):
-        rows, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = layer_norm_backward(as_rows(dy), rows, weight, mean, rstd)
-        return dx.view(ctx.x_shape), dw, db, None
+
+@torch.library.custom_op("liger_lab::layer_norm", mutates_args=())
+def layer_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd): y of x's shape, two fp32 statistics per row."""
+    y, mean, rstd = layer_norm_forward(as_rows(x), weight.contiguous(), bias.contiguous(), eps)
+    return y.view(x.shape), mean, rstd
+
+
+@layer_norm_op.register_fake
+def _(x, weight, bias, eps):
+    n_rows = x.shape[:-1].numel()
+    stats = x.new_empty(n_rows, dtype=torch.float32)
+    return x.new_empty(x.shape), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("liger_lab::layer_norm_backward", mutates_args=())
+def layer_norm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db)."""
+    dx, dw, db = layer_norm_backward(as_rows(dy), as_rows(x), weight.contiguous(), mean, rstd)
+    return dx.view(x.shape), dw, db
+
+
+@layer_norm_backward_op.register_fake
+def _(dy, x, weight, mean, rstd):
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        torch.empty_like(weight),
+        torch.empty_like(weight),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, _ = inputs
+    # The bias is not needed for the gradients: its own gradient is the column sum of dy.
+    ctx.save_for_backward(x, weight, output[1], output[2])
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    dx, dw, db = torch.ops.liger_lab.layer_norm_backward(dy, *ctx.saved_tensors)
+    return dx, dw, db, None
+
+
+layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -172,5 +205,4 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     check_same_dtype(x=x, weight=weight, bias=bias)
     if not eps >= 0:
         raise ValueError(f"eps is {eps}: expected a non-negative number")
-    # The kernels read the parameters with unit stride; a strided view costs a copy of one row here.
-    return LayerNormFunction.apply(x, weight.contiguous(), bias.contiguous(), float(eps))
+    return torch.ops.liger_lab.layer_norm(x, weight, bias, float(eps))[0]

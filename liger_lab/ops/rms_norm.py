@@ -110,19 +110,22 @@ def rms_norm_forward(
 
 
 def rms_norm_backward(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float, in_place: bool
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    dx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward on 2-D row views. Returns (dx, dw)."""
+    """Launch the backward on 2-D row views. Returns (dx, dw); dx goes into ``dx`` when given (it may be
+    ``dy`` itself: each program reads a tile before it writes it)."""
     n_rows, n_cols = x.shape
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-    # Writing dx over dy saves a buffer, but only when nobody else reads dy (see the module docstring
-    # of liger_lab.nn.RMSNorm): it is an opt-in, never the default.
-    reuse = in_place and dy.dtype == x.dtype and dy.is_contiguous()
-    dx = dy if reuse else torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if dx is None else dx
+    if n_rows == 0:  # no rows: no launch (a persistent grid of 0 programs), and dw sums nothing
+        return dx, torch.zeros_like(weight)
     launch = runtime.persistent_row_launch(n_rows, n_cols)
     dw_partial = torch.empty((launch.grid, n_cols), dtype=torch.float32, device=x.device)
-    if n_rows == 0:
-        return dx, torch.zeros_like(weight)
     _rms_norm_backward_kernel[(launch.grid,)](
         dy, dy.stride(0), x, x.stride(0), weight, rstd, dx, dx.stride(0), dw_partial, n_rows, n_cols, offset,
         ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
@@ -130,20 +133,72 @@ def rms_norm_backward(
     return dx, sum_partials(dw_partial, weight.dtype)
 
 
-class RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting_mode, in_place):
-        rows, weight = as_rows(x), weight.contiguous()
-        y, rstd = rms_norm_forward(rows, weight, eps, offset, casting_mode)
-        ctx.save_for_backward(rows, weight, rstd)
-        ctx.offset, ctx.in_place, ctx.x_shape = offset, in_place, x.shape
-        return y.view(*x.shape[:-1], x.shape[-1])
+# --------------------------------------------------------------------------------------------------
+# PyTorch operators. The kernels run inside ``torch.library`` custom ops, so torch.compile sees one opaque
+# call with a known output (the fake implementations) instead of tracing into Triton's launcher.
 
-    @staticmethod
-    def backward(ctx, dy):
-        rows, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(as_rows(dy), rows, weight, rstd, ctx.offset, ctx.in_place)
-        return dx.view(ctx.x_shape), dw, None, None, None, None
+
+@torch.library.custom_op("liger_lab::rms_norm", mutates_args=())
+def rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str, in_place_backward: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): y of x's shape, one fp32 rstd per row. ``in_place_backward`` only steers the backward."""
+    y, rstd = rms_norm_forward(as_rows(x), weight.contiguous(), eps, offset, casting_mode)
+    return y.view(x.shape), rstd
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps, offset, casting_mode, in_place_backward):
+    out_dtype = x.dtype if casting_mode == "gemma" else torch.promote_types(x.dtype, weight.dtype)
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)
+
+
+@torch.library.custom_op("liger_lab::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) into fresh buffers."""
+    dx, dw = rms_norm_backward(as_rows(dy), as_rows(x), weight.contiguous(), rstd, offset, dx=None)
+    return dx.view(x.shape), dw
+
+
+@rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd, offset):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+@torch.library.custom_op("liger_lab::rms_norm_backward_", mutates_args=("dy",))
+def rms_norm_backward_in_place_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float
+) -> torch.Tensor:
+    """dw, with dx written over dy (which must be contiguous, in x's dtype)."""
+    dy_rows = as_rows(dy)
+    return rms_norm_backward(dy_rows, as_rows(x), weight.contiguous(), rstd, offset, dx=dy_rows)[1]
+
+
+@rms_norm_backward_in_place_op.register_fake
+def _(dy, x, weight, rstd, offset):
+    return torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, offset, _, in_place_backward = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.offset, ctx.in_place = offset, in_place_backward
+
+
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    # Writing dx over dy saves a buffer, but only when nobody else reads dy (see rms_norm's docstring):
+    # an opt-in, and only for a dense dy of x's dtype that the kernel can overwrite row by row.
+    if ctx.in_place and dy.dtype == x.dtype and dy.is_contiguous():
+        dw = torch.ops.liger_lab.rms_norm_backward_(dy, x, weight, rstd, ctx.offset)
+        return dy, dw, None, None, None, None
+    dx, dw = torch.ops.liger_lab.rms_norm_backward(dy, x, weight, rstd, ctx.offset)
+    return dx, dw, None, None, None, None
+
+
+rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def rms_norm(
@@ -168,4 +223,5 @@ def rms_norm(
         raise ValueError(f"casting_mode is {casting_mode!r}: expected one of {CASTING_MODES}")
     if not eps >= 0:
         raise ValueError(f"eps is {eps}: expected a non-negative number")
-    return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, in_place_backward)
+    y, _ = torch.ops.liger_lab.rms_norm(x, weight, float(eps), float(offset), casting_mode, bool(in_place_backward))
+    return y

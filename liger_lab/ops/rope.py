@@ -225,29 +225,56 @@ def _angle_grads(
     return dcos, dsin
 
 
-class RopeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin):
-        out_dtype = torch.promote_types(q.dtype, cos.dtype)
-        # empty_like keeps a dense input's strides: a transposed (B, T, H, D) view stays that layout.
-        q_out = torch.empty_like(q, dtype=out_dtype)
-        k_out = torch.empty_like(k, dtype=out_dtype)
-        rope_rotate(q, k, cos, sin, q_out, k_out, backward=False)
-        ctx.angle_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        ctx.save_for_backward(cos, sin, *((q, k) if ctx.angle_grad else ()))
-        ctx.qk_dtype = q.dtype
-        return q_out, k_out
+# --------------------------------------------------------------------------------------------------
+# PyTorch operators (see liger_lab/ops/rms_norm.py): what torch.compile sees instead of the launcher.
 
-    @staticmethod
-    def backward(ctx, dq_out, dk_out):
-        cos, sin, *qk = ctx.saved_tensors
-        dq = torch.empty_like(dq_out, dtype=ctx.qk_dtype)
-        dk = torch.empty_like(dk_out, dtype=ctx.qk_dtype)
-        rope_rotate(dq_out, dk_out, cos, sin, dq, dk, backward=True)
-        if not ctx.angle_grad:
-            return dq, dk, None, None
-        dcos, dsin = _angle_grads(dq_out, dk_out, *qk, cos.shape[0])
-        return dq, dk, dcos.to(cos.dtype), dsin.to(sin.dtype)
+
+@torch.library.custom_op("liger_lab::rope", mutates_args=())
+def rope_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q rotated, k rotated) in the promoted dtype of q and cos, in q's and k's memory layouts."""
+    q_out, k_out = _rotated_like(q, k, torch.promote_types(q.dtype, cos.dtype))
+    rope_rotate(q, k, cos, sin, q_out, k_out, backward=False)
+    return q_out, k_out
+
+
+@torch.library.custom_op("liger_lab::rope_backward", mutates_args=())
+def rope_backward_op(
+    dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, dk): the transposed rotation of the output gradients, in q's dtype."""
+    dq, dk = _rotated_like(dq_out, dk_out, qk_dtype)
+    rope_rotate(dq_out, dk_out, cos, sin, dq, dk, backward=True)
+    return dq, dk
+
+
+def _rotated_like(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # empty_like keeps a dense input's strides: a transposed (B, T, H, D) view stays that layout.
+    return torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
+
+
+rope_op.register_fake(lambda q, k, cos, sin: _rotated_like(q, k, torch.promote_types(q.dtype, cos.dtype)))
+rope_backward_op.register_fake(lambda dq_out, dk_out, cos, sin, qk_dtype: _rotated_like(dq_out, dk_out, qk_dtype))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, cos, sin = inputs
+    ctx.angle_grad = cos.requires_grad or sin.requires_grad
+    ctx.save_for_backward(cos, sin, *((q, k) if ctx.angle_grad else ()))
+    ctx.qk_dtype = q.dtype
+
+
+def _backward(ctx, dq_out, dk_out):
+    cos, sin, *qk = ctx.saved_tensors
+    dq, dk = torch.ops.liger_lab.rope_backward(dq_out, dk_out, cos, sin, ctx.qk_dtype)
+    if not ctx.angle_grad:
+        return dq, dk, None, None
+    dcos, dsin = _angle_grads(dq_out, dk_out, *qk, cos.shape[0])
+    return dq, dk, dcos.to(cos.dtype), dsin.to(sin.dtype)
+
+
+rope_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -289,7 +316,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     q and k are rotated in one kernel launch, forward and backward.
     """
     _check_inputs(q, k, cos, sin)
-    return RopeFunction.apply(q, k, cos, sin)
+    return torch.ops.liger_lab.rope(q, k, cos, sin)
 
 
 def apply_rotary_pos_emb(

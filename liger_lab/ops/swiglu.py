@@ -32,7 +32,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from liger_lab import runtime
 from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape
@@ -114,37 +113,73 @@ def glu_backward(
     return dgate, dup
 
 
-class GLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up, activation, in_place_backward):
-        # A non-contiguous input is copied once; the copy then belongs to this op alone.
-        gate, up = gate.contiguous(), up.contiguous()
-        out = glu_forward(gate, up, activation)
-        ctx.save_for_backward(gate, up)
-        ctx.activation = activation
-        # Write over gate and up only when both get a gradient (a tensor that needs none is someone
-        # else's constant), and never when they share a buffer (swiglu(x, x)): the two stores would race.
-        ctx.in_place = (
-            in_place_backward
-            and all(ctx.needs_input_grad[:2])
-            and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
-        )
-        return out
+# --------------------------------------------------------------------------------------------------
+# PyTorch operators (see liger_lab/ops/rms_norm.py): what torch.compile sees instead of the launchers.
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout):
-        gate, up = ctx.saved_tensors
-        dgate, dup = glu_backward(dout.contiguous(), gate, up, ctx.activation, ctx.in_place)
-        if ctx.in_place:
-            # gate and up now hold gradients. Bumping their version makes autograd refuse any later
-            # reader that saved them (a second backward with retain_graph, a producer that saved its
-            # output) with an error, instead of computing with gradients as if they were activations.
-            for saved in (gate, up):
-                torch.autograd.graph.increment_version(saved)
-            # Fresh tensor objects over the same memory, so a leaf's .grad is never the leaf itself.
-            dgate, dup = dgate.detach(), dup.detach()
-        return dgate, dup, None, None
+
+@torch.library.custom_op("liger_lab::glu", mutates_args=())
+def glu_op(gate: torch.Tensor, up: torch.Tensor, activation: str, in_place_backward: bool) -> torch.Tensor:
+    """act(gate) * up; ``in_place_backward`` only steers the backward."""
+    return glu_forward(gate.contiguous(), up.contiguous(), activation)
+
+
+@glu_op.register_fake
+def _(gate, up, activation, in_place_backward):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("liger_lab::glu_backward", mutates_args=())
+def glu_backward_op(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) into fresh buffers."""
+    return glu_backward(dout.contiguous(), gate.contiguous(), up.contiguous(), activation, in_place=False)
+
+
+@glu_backward_op.register_fake
+def _(dout, gate, up, activation):
+    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
+            torch.empty_like(up, memory_format=torch.contiguous_format))  # fmt: skip
+
+
+@torch.library.custom_op("liger_lab::glu_backward_", mutates_args=("gate", "up"))
+def glu_backward_in_place_op(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
+    """d_gate over gate and d_up over up (both contiguous)."""
+    if gate.data_ptr() == up.data_ptr():  # two views of one buffer: the two stores would race
+        dgate, dup = glu_backward(dout.contiguous(), gate.clone(), up.clone(), activation, in_place=True)
+        gate.copy_(dgate)
+        up.copy_(dup)
+    else:
+        glu_backward(dout.contiguous(), gate, up, activation, in_place=True)
+
+
+@glu_backward_in_place_op.register_fake
+def _(dout, gate, up, activation):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    gate, up, activation, in_place_backward = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.activation, ctx.in_place = activation, in_place_backward
+
+
+def _backward(ctx, dout):
+    gate, up = ctx.saved_tensors
+    # Write over gate and up only when both get a gradient (a tensor that needs none is someone else's
+    # constant) and both are dense buffers of their own (the public function rules out gate is up).
+    if ctx.in_place and all(ctx.needs_input_grad[:2]) and gate.is_contiguous() and up.is_contiguous():
+        # gate and up now hold gradients; the op bumps their versions, so a later reader that saved them
+        # (a second backward with retain_graph, a producer that saved its output) gets autograd's
+        # "modified by an inplace operation" error instead of computing with gradients as activations.
+        torch.ops.liger_lab.glu_backward_(dout, gate, up, ctx.activation)
+        # Fresh tensor objects over the same memory, so a leaf's .grad is never the leaf itself.
+        return gate.detach(), up.detach(), None, None
+    dgate, dup = torch.ops.liger_lab.glu_backward(dout, gate, up, ctx.activation)
+    return dgate, dup, None, None
+
+
+glu_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, in_place_backward: bool) -> torch.Tensor:
@@ -152,7 +187,8 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, in_place_backwar
     check_float("up", up)
     check_same_shape(gate=gate, up=up)
     check_same_dtype(gate=gate, up=up)
-    return GLUFunction.apply(gate, up, activation, bool(in_place_backward))
+    # gate and up as one tensor: the in-place backward's two stores would race over the same memory.
+    return torch.ops.liger_lab.glu(gate, up, activation, bool(in_place_backward) and gate is not up)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = False) -> torch.Tensor:
@@ -164,9 +200,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = Fa
     fresh outputs of the gate and up projections (``nn.Linear`` saves its input, never its output).
     After the backward those buffers hold the gradients; an autograd node that saved them (a second
     backward of a retained graph, a producer that saved its own output) then fails with autograd's
-    "modified by an inplace operation" error rather than using them. A strided input is copied in the
-    forward, so its private copy is what gets overwritten; gate and up sharing one buffer, or either
-    of them needing no gradient, fall back to fresh outputs.
+    "modified by an inplace operation" error rather than using them. A strided (non-contiguous) input,
+    gate and up being one tensor, or either of them needing no gradient fall back to fresh gradients.
+    Under ``torch.compile`` the compiler plans the buffers itself: the option then changes nothing.
     """
     return _glu(gate, up, "silu", in_place_backward)
 
