@@ -32,27 +32,17 @@ from tqdm import tqdm  # noqa: E402
 
 import liger_lab  # noqa: E402, F401  (chooses GPU or interpreter before triton is imported)
 from liger_lab import bench, profiling, runtime  # noqa: E402
-from liger_lab.cli import OP_FUNCTIONS, op_available, plot_ops, run_op_benchmarks  # noqa: E402
+from liger_lab.ops.table import OPS as TABLE  # noqa: E402
 
 NORMS = ("rms_norm", "layer_norm")
-
-# Shapes for --quick on the GPU: each protocol shape with a quarter (or fewer) of its tokens.
-QUICK_SHAPES = {
-    "rms_norm": (4096, 4096),
-    "layer_norm": (4096, 4096),
-    "rope": (1, 32, 8, 4096, 128),
-    "swiglu": (4096, 14336),
-    "geglu": (4096, 14336),
-    "cross_entropy": (2048, 128256),
-    "flce": (2048, 4096, 128256),
-}
 
 
 def op_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
     """Protocol shapes (or the quick ones) on the GPU; tiny ones (every dimension at most 16) on CPU, where
     each program instance of a kernel costs milliseconds."""
     tiny = {name: tuple(min(s, 16) for s in op.shape) for name, op in bench.OPS.items()}
-    return runtime.pick(cpu=tiny, gpu=QUICK_SHAPES if quick else {name: op.shape for name, op in bench.OPS.items()})
+    protocol = {name: spec.quick_shape if quick else spec.bench_shape for name, spec in TABLE.items()}
+    return runtime.pick(cpu=tiny, gpu=protocol)
 
 
 def sweep_sizes(quick: bool) -> tuple[list[int], list[int]]:
@@ -77,7 +67,7 @@ def norm_sweep(
     for name in tqdm(norms, desc="norm sweep", unit="op", disable=None):
         for tokens in token_counts:
             for hidden in hiddens:
-                results, _, failed = run_op_benchmarks([name], shapes={name: (tokens, hidden)})
+                results, failed = bench.run_op_benchmarks([name], shapes={name: (tokens, hidden)})
                 failures += failed
                 rows += [{**r.as_row(), "sweep": "norms", "tokens": tokens, "hidden": hidden} for r in results]
     return rows, failures
@@ -143,9 +133,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(runtime.describe())
     print(f"timer: {runtime.timer_label()}")
     ops = args.op or list(bench.OPS)
-    for name in ops:
-        if not op_available(OP_FUNCTIONS[name]):
-            print(f"note: liger_lab.{OP_FUNCTIONS[name]} is not in this install; {name} runs without it")
 
     rows = ceiling_rows()
     copy_gbs = rows[0]["gbs"]
@@ -153,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"copy ceiling {copy_gbs:.0f} GB/s, bf16 matmul {rows[1]['tflops']:.0f} TFLOP/s")
 
     shapes = op_shapes(args.quick)
-    results, _, failures = run_op_benchmarks(ops, shapes=shapes)
+    results, failures = bench.run_op_benchmarks(ops, shapes=shapes)
     profiling.print_table(results)
     rows += [{**r.as_row(), "shape": list(shapes[r.op])} for r in results]
 
@@ -173,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path.write_text(json.dumps([{**row, **environment} for row in rows], indent=1) + "\n")
     print(f"wrote {json_path}")
     if results:
-        plot_ops(results).savefig(args.out / f"{name}-ops.png", dpi=120, bbox_inches="tight")
+        bench.plot_ops(results).savefig(args.out / f"{name}-ops.png", dpi=120, bbox_inches="tight")
         print(f"wrote {args.out / f'{name}-ops.png'}")
     if sweep:
         plot_sweep(sweep, copy_gbs).savefig(args.out / f"{name}-norms.png", dpi=120, bbox_inches="tight")

@@ -2,24 +2,30 @@
 
 Each :class:`OpBench` knows its shape on the GPU (the DESIGN.md shape) and a small one for the CPU
 interpreter, how to make fresh random inputs, the fewest bytes the op must move, and which
-implementations exist here: ``liger_lab``, ``eager`` (the plain PyTorch reference), ``torch_compile``
-(the same reference through ``torch.compile``, GPU only) and ``liger`` (Liger-Kernel, when installed).
+implementations exist here: ``liger_lab`` (the public call with no options), ``liger_lab:<variant>``
+(an opt-in such as ``in_place_backward=True``, a row of its own), ``eager`` (the plain PyTorch reference),
+``torch_compile`` (the same reference through ``torch.compile``, GPU only) and ``liger`` (Liger-Kernel, when
+installed). The ops, shapes and peers come from the one table, :data:`liger_lab.ops.table.OPS`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import platform
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import triton
+from tqdm import tqdm
 
 import liger_lab
-from liger_lab import profiling, reference, runtime
+from liger_lab import profiling, runtime
+from liger_lab.ops.table import OPS as TABLE
+from liger_lab.ops.table import OpSpec
 
 
 def liger_kernel_installed() -> bool:
@@ -34,7 +40,7 @@ class OpBench:
     fwd_passes: float
     full_passes: float
     impls: dict[str, Callable[[], Callable[..., object]]] = field(default_factory=dict)
-    elements: Callable[[tuple[int, ...]], int] = lambda shape: _prod(shape)  # noqa: E731
+    elements: Callable[[tuple[int, ...]], int] = math.prod
     flops: Callable[[tuple[int, ...]], float] | None = None
     # CUDA-graph timing for short ops; ops that read a value back to the host (a target range check)
     # cannot be captured, and a failed capture leaves the CUDA RNG unusable, so they never try.
@@ -89,48 +95,6 @@ class OpBench:
         return n_bytes / (ceiling * 1e9) * 1e3
 
 
-def _prod(shape: Iterable[int]) -> int:
-    total = 1
-    for s in shape:
-        total *= s
-    return total
-
-
-def _randn(shape, dtype, requires_grad=True):
-    return torch.randn(shape, dtype=dtype, device=runtime.DEVICE, requires_grad=requires_grad)
-
-
-def _norm_inputs(shape, dtype):
-    return [_randn(shape, dtype), (1 + 0.1 * torch.randn(shape[-1], device=runtime.DEVICE)).to(dtype).requires_grad_()]
-
-
-def _rope_inputs(shape, dtype):
-    batch, q_heads, k_heads, seq, head_dim = shape
-    q = _randn((batch, q_heads, seq, head_dim), dtype)
-    k = _randn((batch, k_heads, seq, head_dim), dtype)
-    angles = torch.arange(seq, device=runtime.DEVICE)[:, None] * torch.rand(head_dim // 2, device=runtime.DEVICE)
-    angles = torch.cat([angles, angles], dim=-1)[None]
-    return [q, k, angles.cos().to(dtype), angles.sin().to(dtype)]
-
-
-def _glu_inputs(shape, dtype):
-    return [_randn(shape, dtype), _randn(shape, dtype)]
-
-
-def _ce_inputs(shape, dtype):
-    n_tokens, vocab = shape
-    return [_randn(shape, dtype), torch.randint(0, vocab, (n_tokens,), device=runtime.DEVICE)]
-
-
-def _flce_inputs(shape, dtype):
-    n_tokens, hidden, vocab = shape
-    return [
-        _randn((n_tokens, hidden), dtype),
-        (torch.randn(vocab, hidden, device=runtime.DEVICE) / hidden**0.5).to(dtype).requires_grad_(),
-        torch.randint(0, vocab, (n_tokens,), device=runtime.DEVICE),
-    ]
-
-
 def _liger(name: str, **kwargs):
     """A Liger-Kernel functional op, imported only when asked for."""
 
@@ -149,65 +113,93 @@ def _cut_cross_entropy():
     return linear_cross_entropy
 
 
-def _peers(op: str, ours: Callable[..., object], liger: Callable[[], Callable[..., object]] | None):
-    impls = {"liger_lab": lambda: ours}
-    if liger is not None:
-        impls["liger"] = liger
-    specification = getattr(reference, op)
-    impls["torch_compile"] = lambda: torch.compile(specification)
-    impls["eager"] = lambda: specification
+def _impls(spec: OpSpec) -> dict[str, Callable[[], Callable[..., object]]]:
+    """``liger_lab`` is the public call with no options; each opt-in variant is a row of its own."""
+    impls = {"liger_lab": spec.call}
+    for label, options in spec.variants.items():
+        impls[f"liger_lab:{label}"] = lambda options=options: spec.call(**options)
+    if spec.liger is not None:
+        impls["liger"] = _liger(spec.liger[0], **spec.liger[1])
+    impls["torch_compile"] = lambda: torch.compile(spec.reference)
+    impls["eager"] = lambda: spec.reference
+    if spec.name == "fused_linear_cross_entropy":
+        impls["cce"] = _cut_cross_entropy
     return impls
 
 
 OPS: dict[str, OpBench] = {
-    "rms_norm": OpBench(
-        "rms_norm", (16384, 4096), _norm_inputs, fwd_passes=2, full_passes=5,
-        impls=_peers("rms_norm", lambda x, w: liger_lab.rms_norm(x, w, 1e-6, in_place_backward=True),
-                     _liger("liger_rms_norm", eps=1e-6)),
-    ),
-    "layer_norm": OpBench(
-        "layer_norm", (16384, 4096),
-        lambda shape, dtype: _norm_inputs(shape, dtype) + [_randn(shape[-1], dtype)],
-        fwd_passes=2, full_passes=5,
-        impls=_peers("layer_norm", lambda x, w, b: liger_lab.layer_norm(x, w, b, 1e-5),
-                     _liger("liger_layer_norm", eps=1e-5)),
-    ),
-    "rope": OpBench(
-        "rope", (4, 32, 8, 4096, 128), _rope_inputs, fwd_passes=2, full_passes=4,
-        impls=_peers("rope", lambda q, k, cos, sin: liger_lab.rope(q, k, cos, sin), _liger("liger_rope")),
-        elements=lambda s: s[0] * (s[1] + s[2]) * s[3] * s[4],
-    ),
-    "swiglu": OpBench(
-        "swiglu", (16384, 14336), _glu_inputs, fwd_passes=3, full_passes=8,
-        impls=_peers("swiglu", lambda g, u: liger_lab.swiglu(g, u, in_place_backward=True), _liger("liger_swiglu")),
-    ),
-    "geglu": OpBench(
-        "geglu", (16384, 14336), _glu_inputs, fwd_passes=3, full_passes=8,
-        impls=_peers("geglu", lambda g, u: liger_lab.geglu(g, u, in_place_backward=True), _liger("liger_geglu")),
-    ),
-    "cross_entropy": OpBench(
-        "cross_entropy", (8192, 128256), _ce_inputs, fwd_passes=1, full_passes=3,
-        impls=_peers("cross_entropy", lambda z, t: liger_lab.cross_entropy(z, t), _liger("liger_cross_entropy")),
-        graph_timing=False,
-    ),
-    "flce": OpBench(
-        "flce", (8192, 4096, 128256), _flce_inputs, fwd_passes=0, full_passes=0,
-        impls={
-            **_peers("fused_linear_cross_entropy",
-                     lambda h, w, t: liger_lab.fused_linear_cross_entropy(h, w, t, in_place_backward=True),
-                     _liger("liger_fused_linear_cross_entropy")),
-            "cce": _cut_cross_entropy,
-        },
-        elements=lambda s: s[0] * s[2],
-        flops=lambda s: 6.0 * s[0] * s[1] * s[2],
-        graph_timing=False,
-    ),
+    name: OpBench(
+        name, spec.bench_shape, spec.make_inputs, spec.fwd_passes, spec.full_passes, _impls(spec),
+        elements=spec.elements, flops=spec.flops, graph_timing=spec.graph_timing,
+    )
+    for name, spec in TABLE.items()
 }  # fmt: skip
+"""The benchmark of every op of :data:`liger_lab.ops.table.OPS`, by name."""
 
 
 def small_shape(op: OpBench) -> tuple[int, ...]:
     """A shape the CPU interpreter runs in about a second."""
     return tuple(max(1, min(s, 256)) for s in op.shape)
+
+
+def op_shape(op: OpBench, small: bool = False) -> tuple[int, ...]:
+    """The benchmark-protocol shape on the GPU, a small one in the interpreter (or when asked)."""
+    return small_shape(op) if small or runtime.INTERPRET else op.shape
+
+
+def run_op_benchmarks(
+    ops: Sequence[str],
+    *,
+    impls: Sequence[str] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    small: bool = False,
+) -> tuple[list[profiling.Result], list[str]]:
+    """Measure every available implementation of each op; returns (results, failures).
+
+    An implementation that raises is listed in ``failures`` and the others still run.
+    """
+    jobs, failures = [], []
+    for name in ops:
+        for impl in OPS[name].available():
+            if impls and impl not in impls:
+                continue
+            jobs.append((name, impl))
+    results = []
+    for name, impl in tqdm(jobs, desc="benchmarking", unit="impl", disable=None, leave=False):
+        shape = (shapes or {}).get(name) or op_shape(OPS[name], small)
+        try:
+            results += OPS[name].run(shape, dtype, impls=[impl])
+        except Exception as error:  # one failing implementation must not hide the others' numbers
+            failures.append(f"{name} {impl} {shape}: {type(error).__name__}: {error}")
+    return results, failures
+
+
+def plot_ops(results: Sequence[profiling.Result], title: str = ""):
+    """One panel per op: forward+backward time of each implementation, with its speed-up over eager."""
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r.op for r in results))
+    if len(ops) == 1:
+        return profiling.plot_results(results, title=title or ops[0])
+    cols = min(3, len(ops))
+    fig, axes = plt.subplots(
+        math.ceil(len(ops) / cols), cols, figsize=(4.2 * cols, 3.2 * math.ceil(len(ops) / cols)), squeeze=False
+    )
+    for ax, op in zip(axes.flat, ops, strict=False):
+        rows = [r for r in results if r.op == op]
+        eager = next((r.full_ms for r in rows if r.impl == "eager"), None)
+        bars = ax.bar([r.impl for r in rows], [r.full_ms for r in rows])
+        if eager:
+            ax.bar_label(bars, [f"{eager / r.full_ms:.2f}x" for r in rows], fontsize=8)
+        ax.set_title(op)
+        ax.set_ylabel("fwd+bwd ms" if not runtime.INTERPRET else "fwd+bwd ms (CPU interpreter)")
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    for ax in list(axes.flat)[len(ops) :]:
+        ax.axis("off")
+    fig.suptitle(title or "forward+backward time (labels: speed-up over eager)")
+    fig.tight_layout()
+    return fig
 
 
 def environment() -> dict:

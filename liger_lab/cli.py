@@ -1,7 +1,7 @@
 """The ``liger-lab`` command line: check the kernels, benchmark them, regenerate the exercises.
 
-The functions behind the commands (:func:`run_checks`, :func:`run_op_benchmarks`, :func:`plot_ops`) are
-importable too; ``benchmarks/run.py`` builds on them.
+The ops come from the one table, :data:`liger_lab.ops.table.OPS`; the functions behind the commands
+(:func:`run_checks`, :func:`liger_lab.bench.run_op_benchmarks`) are importable too.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,21 +18,12 @@ import click
 import torch
 from tqdm import tqdm
 
-import liger_lab
-from liger_lab import bench, checks, e2e, profiling, reference, runtime
+from liger_lab import bench, checks, e2e, profiling, runtime
 from liger_lab.e2e import DTYPES
+from liger_lab.ops.table import OPS as TABLE
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 IMPLS = list(dict.fromkeys(impl for op in bench.OPS.values() for impl in op.impls))
-
-# bench.OPS names the fused linear cross-entropy "flce"; everything else is named like its function.
-OP_FUNCTIONS = {name: "fused_linear_cross_entropy" if name == "flce" else name for name in bench.OPS}
-
-
-def op_available(function: str) -> bool:
-    """Whether this install of liger_lab has the public function ``function``."""
-    return callable(getattr(liger_lab, function, None))
-
 
 # --------------------------------------------------------------------------------------------------
 # check
@@ -58,66 +48,33 @@ class CheckResult:
     dtype: str
     shape: str
     worst_rel_error: float | None
-    status: str  # PASS, FAIL or SKIP
+    status: str  # PASS or FAIL
     detail: str = ""
 
 
-CHECK_OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy")
-
-
-def _randn(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    return (scale * torch.randn(*shape, device=runtime.DEVICE)).to(dtype)
-
-
-def _targets(n: int, vocab: int) -> torch.Tensor:
-    target = torch.randint(0, vocab, (n,), device=runtime.DEVICE)
-    target[::7] = -100  # some ignored tokens, as padding gives in real batches
-    return target
+CHECK_OPS = tuple(TABLE)
 
 
 def _case(op: str, dtype: torch.dtype) -> CheckCase:
-    """Inputs for ``op``: small shapes for the interpreter, larger ones on the GPU."""
-    ours, ref = getattr(liger_lab, op), getattr(reference, op)
-    if op in ("rms_norm", "layer_norm"):
-        shape = runtime.pick(cpu=(3, 37, 96), gpu=(4, 1024, 4096))
-        inputs = [_randn(*shape, dtype=dtype), (1 + 0.1 * _randn(shape[-1], dtype=torch.float32)).to(dtype)]
-        if op == "layer_norm":
-            inputs.append(_randn(shape[-1], dtype=dtype, scale=0.1))
-        return CheckCase(op, dtype, shape, ours, ref, inputs, ["x", "weight", "bias"][: len(inputs)])
-    if op == "rope":
-        batch, heads, kv_heads, seq, head_dim = runtime.pick(cpu=(2, 4, 2, 19, 32), gpu=(2, 32, 8, 1024, 128))
-        angles = torch.arange(seq, device=runtime.DEVICE)[:, None] * torch.rand(head_dim // 2, device=runtime.DEVICE)
-        angles = torch.cat([angles, angles], dim=-1)[None]
-        cos, sin = angles.cos(), angles.sin()
-        # cos and sin are constants of the model, not trained: check q and k and their gradients.
-        return CheckCase(
-            op,
-            dtype,
-            (batch, heads, kv_heads, seq, head_dim),
-            lambda q, k: ours(q, k, cos.to(q.dtype), sin.to(q.dtype)),
-            lambda q, k: ref(q, k, cos.to(q.dtype), sin.to(q.dtype)),
-            [_randn(batch, heads, seq, head_dim, dtype=dtype), _randn(batch, kv_heads, seq, head_dim, dtype=dtype)],
-            ["q", "k"],
-        )
-    if op in ("swiglu", "geglu"):
-        shape = runtime.pick(cpu=(3, 33, 160), gpu=(2048, 14336))
-        return CheckCase(
-            op, dtype, shape, ours, ref, [_randn(*shape, dtype=dtype), _randn(*shape, dtype=dtype)], ["gate", "up"]
-        )
-    if op == "cross_entropy":
-        n, vocab = runtime.pick(cpu=(67, 1000), gpu=(2048, 128256))
-        return CheckCase(
-            op, dtype, (n, vocab), ours, ref, [_randn(n, vocab, dtype=dtype), _targets(n, vocab)], ["logits", "target"]
-        )
-    if op == "fused_linear_cross_entropy":
-        n, hidden, vocab = runtime.pick(cpu=(67, 64, 1000), gpu=(2048, 4096, 128256))
-        inputs = [
-            _randn(n, hidden, dtype=dtype),
-            _randn(vocab, hidden, dtype=dtype, scale=hidden**-0.5),
-            _targets(n, vocab),
-        ]
-        return CheckCase(op, dtype, (n, hidden, vocab), ours, ref, inputs, ["hidden", "weight", "target"])
-    raise ValueError(f"op is {op!r}: expected one of {CHECK_OPS}")
+    """Fresh inputs for ``op`` from the table: small shapes for the interpreter, larger ones on the GPU.
+    Inputs that are constants of the call (targets, RoPE's cos and sin) are bound, not differentiated;
+    every 7th target is ignored, as padding gives in real batches."""
+    spec = TABLE[op]
+    shape = spec.check_shape()
+    inputs = [v.detach() if isinstance(v, torch.Tensor) else v for v in spec.make_inputs(shape, dtype)]
+    named = dict(zip(spec.input_names, inputs, strict=True))
+    if "target" in named:
+        named["target"][::7] = -100
+    varying = list(spec.differentiable)
+
+    def bind(fn: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object) -> object:
+            given = {**named, **dict(zip(varying, args, strict=True))}
+            return fn(*(given[name] for name in spec.input_names))
+
+        return call
+
+    return CheckCase(op, dtype, shape, bind(spec.function), bind(spec.reference), [named[n] for n in varying], varying)
 
 
 def check_dtypes() -> tuple[torch.dtype, ...]:
@@ -143,14 +100,11 @@ def run_case(case: CheckCase) -> CheckResult:
 
 
 def run_checks(ops: Sequence[str] = CHECK_OPS, dtypes: Sequence[torch.dtype] | None = None) -> list[CheckResult]:
-    """Check every op in every dtype against its float64 reference; ops missing here are SKIP rows."""
+    """Check every op in every dtype against its float64 reference."""
     dtypes = check_dtypes() if dtypes is None else dtypes
     todo = [(op, dtype) for op in ops for dtype in dtypes]
     results = []
     for op, dtype in tqdm(todo, desc="checking", unit="check", disable=None, leave=False):
-        if not op_available(op):
-            results.append(CheckResult(op, DTYPE_NAMES[dtype], "", None, "SKIP", "not in this install"))
-            continue
         results.append(run_case(_case(op, dtype)))
     return results
 
@@ -159,77 +113,12 @@ def format_checks(results: Sequence[CheckResult]) -> str:
     lines = [f"{'op':<28}{'dtype':<7}{'shape':<24}{'worst rel err':>14}  result"]
     for r in results:
         err = "" if r.worst_rel_error is None else f"{r.worst_rel_error:.1e}"
-        note = f"  ({r.detail})" if r.status == "SKIP" else ""
-        lines.append(f"{r.op:<28}{r.dtype:<7}{r.shape:<24}{err:>14}  {r.status}{note}")
+        lines.append(f"{r.op:<28}{r.dtype:<7}{r.shape:<24}{err:>14}  {r.status}")
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------
 # bench ops
-
-
-def op_shape(op: bench.OpBench, small: bool = False) -> tuple[int, ...]:
-    """The benchmark-protocol shape on the GPU, a small one in the interpreter (or when asked)."""
-    return bench.small_shape(op) if small or runtime.INTERPRET else op.shape
-
-
-def run_op_benchmarks(
-    ops: Sequence[str],
-    *,
-    impls: Sequence[str] | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    shapes: dict[str, tuple[int, ...]] | None = None,
-    small: bool = False,
-) -> tuple[list[profiling.Result], list[str], list[str]]:
-    """Measure every available implementation of each op; returns (results, skipped, failures).
-
-    The ``liger_lab`` implementation of an op this install lacks is skipped; an implementation that
-    raises is listed in ``failures`` and the others still run.
-    """
-    jobs, skipped, failures = [], [], []
-    for name in ops:
-        for impl in bench.OPS[name].available():
-            if impls and impl not in impls:
-                continue
-            if impl == "liger_lab" and not op_available(OP_FUNCTIONS[name]):
-                skipped.append(f"{name}: liger_lab.{OP_FUNCTIONS[name]} is not in this install")
-                continue
-            jobs.append((name, impl))
-    results = []
-    for name, impl in tqdm(jobs, desc="benchmarking", unit="impl", disable=None, leave=False):
-        shape = (shapes or {}).get(name) or op_shape(bench.OPS[name], small)
-        try:
-            results += bench.OPS[name].run(shape, dtype, impls=[impl])
-        except Exception as error:  # one failing implementation must not hide the others' numbers
-            failures.append(f"{name} {impl} {shape}: {type(error).__name__}: {error}")
-    return results, skipped, failures
-
-
-def plot_ops(results: Sequence[profiling.Result], title: str = ""):
-    """One panel per op: forward+backward time of each implementation, with its speed-up over eager."""
-    import matplotlib.pyplot as plt
-
-    ops = list(dict.fromkeys(r.op for r in results))
-    if len(ops) == 1:
-        return profiling.plot_results(results, title=title or ops[0])
-    cols = min(3, len(ops))
-    fig, axes = plt.subplots(
-        math.ceil(len(ops) / cols), cols, figsize=(4.2 * cols, 3.2 * math.ceil(len(ops) / cols)), squeeze=False
-    )
-    for ax, op in zip(axes.flat, ops, strict=False):
-        rows = [r for r in results if r.op == op]
-        eager = next((r.full_ms for r in rows if r.impl == "eager"), None)
-        bars = ax.bar([r.impl for r in rows], [r.full_ms for r in rows])
-        if eager:
-            ax.bar_label(bars, [f"{eager / r.full_ms:.2f}x" for r in rows], fontsize=8)
-        ax.set_title(op)
-        ax.set_ylabel("fwd+bwd ms" if not runtime.INTERPRET else "fwd+bwd ms (CPU interpreter)")
-        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    for ax in list(axes.flat)[len(ops) :]:
-        ax.axis("off")
-    fig.suptitle(title or "forward+backward time (labels: speed-up over eager)")
-    fig.tight_layout()
-    return fig
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,7 +156,7 @@ def check(ops: tuple[str, ...], verbose: bool) -> None:
     """Check every kernel and its gradients against the float64 reference on this machine.
 
     Small shapes in fp32 and fp16 in the interpreter; larger shapes in fp32 and bf16 on the GPU.
-    Ops that this install does not have are reported as SKIP. Exit code 1 when any check fails.
+    Exit code 1 when any check fails.
     """
     click.echo(runtime.describe())
     results = run_checks(ops or CHECK_OPS)
@@ -276,8 +165,7 @@ def check(ops: tuple[str, ...], verbose: bool) -> None:
     for r in results:
         if r.status == "FAIL" or (verbose and r.status == "PASS"):
             click.echo(f"\n{r.op} {r.dtype}:\n{r.detail}")
-    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
-    click.echo(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    click.echo(f"\n{len(results) - len(failed)} passed, {len(failed)} failed")
     if failed:
         sys.exit(1)
 
@@ -317,9 +205,7 @@ def bench_ops(ops, impls, dtype, small, shape, json_path, plot_path) -> None:
     ops = ops or list(bench.OPS)
     shapes = {name: _parse_shape(shape) for name in ops} if shape else None
     click.echo(runtime.describe())
-    results, skipped, failures = run_op_benchmarks(ops, impls=impls, dtype=DTYPES[dtype], shapes=shapes, small=small)
-    for line in skipped:
-        click.echo(f"skipped {line}", err=True)
+    results, failures = bench.run_op_benchmarks(ops, impls=impls, dtype=DTYPES[dtype], shapes=shapes, small=small)
     for line in failures:
         click.echo(f"FAILED {line}", err=True)
     if not results:
@@ -329,7 +215,7 @@ def bench_ops(ops, impls, dtype, small, shape, json_path, plot_path) -> None:
         bench.write_json(results, json_path, {"dtype": dtype})
         click.echo(f"wrote {json_path}")
     if plot_path:
-        plot_ops(results).savefig(plot_path, dpi=120, bbox_inches="tight")
+        bench.plot_ops(results).savefig(plot_path, dpi=120, bbox_inches="tight")
         click.echo(f"wrote {plot_path}")
     if failures:
         sys.exit(1)
@@ -349,8 +235,8 @@ def _pair_sizes(batches: Sequence[int], seqs: Sequence[int]) -> list[tuple[int, 
     "--mode",
     "modes",
     multiple=True,
-    type=click.Choice(["hf", "liger_lab", "liger"]),
-    help="Training mode (repeatable; default: every one available here).",
+    type=click.Choice(list(e2e.MODES)),
+    help="Training mode (repeatable; default: every one available here). +compile: then torch.compile the model.",
 )
 @click.option("--model", type=click.Choice(["tiny", "1.5b"]), help="Model preset [default: 1.5b on GPU, tiny on CPU].")
 @click.option("--layers", type=int, help="Override the number of decoder layers.")
@@ -381,13 +267,34 @@ def _pair_sizes(batches: Sequence[int], seqs: Sequence[int]) -> list[tuple[int, 
     type=click.Path(dir_okay=False, path_type=Path),
     help="Record allocated memory through one step per mode and plot it here (GPU).",
 )
+@click.option(
+    "--compile-backend",
+    default="inductor",
+    show_default=True,
+    help="torch.compile backend of the +compile modes (aot_eager: trace without generating code).",
+)
 def bench_e2e(
-    modes, model, layers, batches, seqs, steps, warmup, dtype, breakdown, fit_sizes, json_path, plot_path, timeline_path
+    modes,
+    model,
+    layers,
+    batches,
+    seqs,
+    steps,
+    warmup,
+    dtype,
+    breakdown,
+    fit_sizes,
+    json_path,
+    plot_path,
+    timeline_path,
+    compile_backend,
 ) -> None:
     """Train a Llama-style model a few steps per mode, each in a fresh process: tokens/s, peak memory, loss.
 
     The default model is the benchmark one: Llama-style, 1498M parameters, bf16, AdamW, 8 x 2048 tokens
-    per step.
+    per step. Each row is printed as its run finishes; then the loss of every step per run, whether
+    each compiled mode trains like its eager one, and the targets of liger_lab+compile. A +compile mode
+    compiles in its first warm-up step (at least one), which tokens/s never counts.
     """
     model = model or runtime.pick(cpu="tiny", gpu="1.5b")
     sizes = _pair_sizes(batches or [runtime.pick(cpu=2, gpu=8)], seqs or [runtime.pick(cpu=16, gpu=2048)])
@@ -411,17 +318,28 @@ def bench_e2e(
             }
             click.echo(f"\nanalytic memory of one step, batch {batch} x seq {seq}:\n{e2e.format_breakdown(columns)}\n")
 
-    common = dict(model=model, layers=layers, dtype=dtype, steps=steps, warmup=warmup)
+    common = dict(model=model, layers=layers, dtype=dtype, steps=steps, warmup=warmup, compile_backend=compile_backend)
     runs = [(mode, batch, seq) for batch, seq in sizes for mode in modes]
-    rows = [
-        e2e.run_isolated("train", mode=mode, batch=batch, seq=seq, **common)
-        for mode, batch, seq in tqdm(runs, desc="training", unit="run", disable=None, leave=False)
-    ]
-    for r in rows:
-        if r.get("error"):
-            click.echo(f"{r['impl']} {r['batch']}x{r['seq']} failed:\n{r['error']}", err=True)
-    click.echo(e2e.format_runs(rows))
-    click.echo(f"timer: {e2e.timer_label()}")
+    click.echo(f"\ntraining: {len(runs)} runs, each in a fresh process [{e2e.timer_label()}]")
+    click.echo(e2e.RUN_HEADER)
+    rows = []
+    for mode, batch, seq in runs:
+        row = e2e.run_isolated("train", mode=mode, batch=batch, seq=seq, **common)
+        rows.append(row)
+        if row.get("error"):
+            click.echo(f"{mode} {batch}x{seq} failed:\n{row['error']}", err=True)
+        click.echo(e2e.format_run(row, rows))
+    click.echo("\nloss per step (warm-up | timed):")
+    for row in rows:
+        click.echo(e2e.format_losses(row))
+    for batch, seq in sizes:
+        pairs = [(e2e.base_mode(m), m) for m in modes if e2e.is_compiled(m) and e2e.base_mode(m) in modes]
+        for eager_mode, compiled_mode in pairs:
+            verdict = e2e.compare_losses(rows, eager_mode, compiled_mode, batch=batch, seq=seq)
+            click.echo(e2e.format_comparison(verdict))
+        if e2e.TARGET_MODE in modes:
+            click.echo(f"targets of {e2e.TARGET_MODE} at {batch}x{seq} [{e2e.timer_label()}]:")
+            click.echo(e2e.format_targets(e2e.check_targets(rows, batch=batch, seq=seq)))
     extra = []
     if candidates:
         for mode in tqdm(modes, desc="largest fit", unit="mode", disable=None, leave=False):

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 import liger_lab
 from liger_lab import cli, reference, runtime
+from liger_lab.ops.table import OPS as TABLE
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION_KEYS = {"gpu", "torch", "triton", "liger_lab"}
@@ -28,18 +29,17 @@ def test_help_names_every_command():
     assert "ops" in bench_help and "e2e" in bench_help
 
 
-def test_check_passes_for_every_op_present_and_skips_the_rest():
+def test_check_passes_for_every_op_of_the_table():
     result = invoke("check")
     assert result.exit_code == 0, result.output
     rows = [
         line.split() for line in result.output.splitlines() if line.split()[:1] and line.split()[0] in cli.CHECK_OPS
     ]
+    assert set(cli.CHECK_OPS) == set(TABLE)
     for op in cli.CHECK_OPS:
-        statuses = {row[1]: row[-1] if "SKIP" not in row else "SKIP" for row in rows if row[0] == op}
-        expected = "PASS" if cli.op_available(op) else "SKIP"
-        assert statuses == {"fp32": expected, "fp16": expected}, (op, result.output)
-    present = sum(cli.op_available(op) for op in cli.CHECK_OPS)
-    assert f"{2 * present} passed, 0 failed, {2 * (len(cli.CHECK_OPS) - present)} skipped" in result.output
+        statuses = {row[1]: row[-1] for row in rows if row[0] == op}
+        assert statuses == {"fp32": "PASS", "fp16": "PASS"}, (op, result.output)
+    assert f"{2 * len(TABLE)} passed, 0 failed" in result.output
 
 
 def test_check_reports_worst_relative_error_of_all_comparisons():
@@ -69,13 +69,6 @@ def test_a_kernel_that_raises_is_a_failure_not_a_crash(monkeypatch):
     assert "ValueError: x has shape (3,)" in result.output
 
 
-def test_an_op_missing_from_the_install_is_skipped(monkeypatch):
-    monkeypatch.delattr(liger_lab, "rms_norm")
-    result = invoke("check", "--op", "rms_norm")
-    assert result.exit_code == 0
-    assert "SKIP" in result.output and "not in this install" in result.output
-
-
 def test_unknown_op_is_a_usage_error():
     result = invoke("check", "--op", "softmax")
     assert result.exit_code == 2 and "softmax" in result.output
@@ -103,13 +96,16 @@ def test_bench_ops_writes_json_rows_and_a_plot(tmp_path):
     assert "fwd+bwd ms" in result.output
 
 
-def test_bench_ops_without_our_kernel_still_measures_the_others(monkeypatch, tmp_path):
-    monkeypatch.delattr(liger_lab, "rms_norm")
+def test_bench_ops_with_a_failing_kernel_still_measures_the_others(monkeypatch, tmp_path):
+    def broken(x, w):
+        raise ValueError("broken kernel")
+
+    monkeypatch.setattr(liger_lab, "rms_norm", broken)
     json_path = tmp_path / "ops.json"
     result = invoke("bench", "ops", "--op", "rms_norm", "--impl", "liger_lab", "--impl", "eager", "--shape", "4x16",
                     "--json", str(json_path))  # fmt: skip
-    assert result.exit_code == 0, result.output
-    assert "skipped rms_norm: liger_lab.rms_norm is not in this install" in result.output
+    assert result.exit_code == 1, result.output  # a failure is reported, and the other rows are written
+    assert "FAILED rms_norm liger_lab" in result.output and "broken kernel" in result.output
     assert [row["impl"] for row in json.loads(json_path.read_text())] == ["eager"]
 
 

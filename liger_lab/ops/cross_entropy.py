@@ -202,9 +202,9 @@ def check_loss_options(options: LossOptions) -> None:
         raise ValueError(f"label_smoothing is {options.label_smoothing}: expected a number in [0, 1]")
     if options.reduction not in REDUCTIONS:
         raise ValueError(f"reduction is {options.reduction!r}: expected one of {REDUCTIONS}")
-    if options.softcap is not None and not (options.softcap > 0 and math.isfinite(options.softcap)):
+    if options.softcap is not None and not 0 < options.softcap < math.inf:
         raise ValueError(f"softcap is {options.softcap}: expected None or a positive finite number")
-    if not (options.z_loss_scale >= 0 and math.isfinite(options.z_loss_scale)):
+    if not 0 <= options.z_loss_scale < math.inf:
         raise ValueError(f"z_loss_scale is {options.z_loss_scale}: expected a non-negative finite number")
 
 
@@ -337,7 +337,8 @@ def _loss_like(logits: torch.Tensor, target: torch.Tensor, reduction: str) -> to
 
 # --------------------------------------------------------------------------------------------------
 # PyTorch operators (see liger_lab/ops/rms_norm.py). The default op writes the gradient into a fresh
-# buffer; the in-place variant, which writes it over the caller's logits, is a mutating op.
+# buffer; the in-place variant, which writes it over the caller's logits, is a mutating op. Neither has a
+# registered autograd formula: CrossEntropyFunction below is their autograd.
 
 
 @torch.library.custom_op("liger_lab::cross_entropy", mutates_args=())
@@ -357,9 +358,6 @@ def cross_entropy_op(
     grad = torch.empty(rows.shape if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
     loss, owed = _cross_entropy(rows, target, options, grad if compute_grad else None)
     return loss, grad, owed
-
-
-# fmt: skip
 
 
 @cross_entropy_op.register_fake
@@ -385,9 +383,6 @@ def cross_entropy_in_place_op(
     return _cross_entropy(rows, target, options, rows)
 
 
-# fmt: skip
-
-
 @cross_entropy_in_place_op.register_fake
 def _(logits, target, ignore_index, label_smoothing, reduction, softcap, z_loss_scale):
     return _loss_like(logits, target, reduction), logits.new_empty((), dtype=torch.float32)
@@ -403,44 +398,33 @@ def scale_rows_in_place_op(x: torch.Tensor, scale: torch.Tensor) -> None:
 scale_rows_in_place_op.register_fake(lambda x, scale: None)
 
 
-def _scale_owed(grad: torch.Tensor, grad_loss: torch.Tensor, owed: torch.Tensor) -> torch.Tensor:
-    """The saved gradient times the upstream gradient (and what the forward still owed it), in place."""
-    torch.ops.liger_lab.scale_rows_(grad, grad_loss.float() * owed)
-    return grad
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(output[1], output[2])
-    ctx.logits_shape = inputs[0].shape
-
-
-def _backward(ctx, grad_loss, _dgrad, _dowed):
-    # Scaling the saved gradient in place bumps its version: a second backward through the same graph
-    # (retain_graph) then fails with autograd's "modified by an inplace operation" instead of scaling twice.
-    grad, owed = ctx.saved_tensors
-    return _scale_owed(grad, grad_loss, owed).view(ctx.logits_shape), None, None, None, None, None, None, None
-
-
-cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _CrossEntropyInPlace(torch.autograd.Function):
-    """Autograd of the in-place variant (PyTorch registers autograd formulas on functional ops only)."""
+class CrossEntropyFunction(torch.autograd.Function):
+    """Autograd of both operators. The gradient is made in the forward; the backward scales it in place by
+    the upstream gradient. That is why this is an ``autograd.Function`` (which torch.compile traces like
+    any other code) rather than a formula registered on the operator: PyTorch's registered formulas may
+    not modify an operator's outputs, and a fresh scaled copy would cost a second logits-sized buffer."""
 
     @staticmethod
-    def forward(ctx, logits, target, options):
-        loss, owed = torch.ops.liger_lab.cross_entropy_(logits, target, *astuple(options))
-        # logits now hold their gradient (the op bumped their version: a node that saved them for its own
-        # backward gets autograd's "modified by an inplace operation" error instead of using a gradient).
-        # Saved detached: the gradient is data now, not a node of the graph that made the logits.
-        ctx.save_for_backward(logits.detach(), owed)
+    def forward(ctx, logits, target, options, in_place):
+        if in_place:
+            loss, owed = torch.ops.liger_lab.cross_entropy_(logits, target, *astuple(options))
+            # The logits now hold their gradient (the op bumped their version: a node that saved them for
+            # its own backward gets autograd's "modified by an inplace operation" error instead).
+            grad = logits.detach()
+        else:
+            loss, grad, owed = torch.ops.liger_lab.cross_entropy(logits, target, *astuple(options), True)
+        # Scaling the gradient in place in the backward bumps its version: a second backward through the
+        # same graph (retain_graph) then fails with "modified by an inplace operation" instead of scaling twice.
+        ctx.save_for_backward(grad, owed)
+        ctx.logits_shape = logits.shape
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad, owed = ctx.saved_tensors
-        # detach(): a fresh tensor object over the logits' memory, so a leaf's .grad is never the leaf itself
-        return _scale_owed(grad, grad_loss, owed).detach(), None, None
+        torch.ops.liger_lab.scale_rows_(grad, grad_loss.float() * owed)
+        # detach(): a fresh tensor object, so a leaf's .grad is never the leaf itself (in place: its memory)
+        return grad.view(ctx.logits_shape).detach(), None, None, None
 
 
 def cross_entropy(
@@ -477,9 +461,9 @@ def cross_entropy(
         raise ValueError(f"logits has shape {tuple(logits.shape)}: expected (..., V) with V >= 1 classes")
     check_target_tensor(target, logits.shape[:-1])
     options = replace(options, softcap=None if softcap is None else float(softcap))
-    compute_grad = logits.requires_grad and torch.is_grad_enabled()
-    if compute_grad and in_place_backward and rows_to_overwrite(logits) is not None:
-        loss = _CrossEntropyInPlace.apply(logits, target, options)
+    if logits.requires_grad and torch.is_grad_enabled():
+        in_place = bool(in_place_backward) and rows_to_overwrite(logits) is not None
+        loss = CrossEntropyFunction.apply(logits, target, options, in_place)
     else:
-        loss = torch.ops.liger_lab.cross_entropy(logits, target, *astuple(options), compute_grad)[0]
+        loss = torch.ops.liger_lab.cross_entropy(logits, target, *astuple(options), False)[0]
     return loss.to(logits.dtype)

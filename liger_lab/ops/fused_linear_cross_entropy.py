@@ -212,7 +212,8 @@ def _loss_like(hidden: torch.Tensor, target: torch.Tensor, reduction: str) -> to
 
 # --------------------------------------------------------------------------------------------------
 # PyTorch operators (see liger_lab/ops/rms_norm.py). The default op returns the gradients it made in
-# the forward; the in-place variant, which writes dh over hidden, is a mutating op.
+# the forward; the in-place variant, which writes dh over hidden, is a mutating op. Their autograd is
+# FusedLinearCrossEntropyFunction below.
 
 
 @torch.library.custom_op("liger_lab::fused_linear_cross_entropy", mutates_args=())
@@ -234,9 +235,6 @@ def fused_linear_cross_entropy_op(
     options = LossOptions(ignore_index, label_smoothing, reduction, softcap, 0.0)
     loss, grad_h, grad_w, grad_b = _forward(hidden, weight, target, bias, options, chunk_tokens, accumulation, needs)
     return loss, _or_empty(grad_h, hidden), _or_empty(grad_w, weight), _or_empty(grad_b, weight)
-
-
-# fmt: skip
 
 
 @fused_linear_cross_entropy_op.register_fake
@@ -277,9 +275,6 @@ def fused_linear_cross_entropy_in_place_op(
     return loss, _or_empty(grad_w, weight), _or_empty(grad_b, weight)
 
 
-# fmt: skip
-
-
 @fused_linear_cross_entropy_in_place_op.register_fake
 def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, chunk_tokens, accumulation,
       needs):  # fmt: skip
@@ -316,9 +311,6 @@ def fused_linear_cross_entropy_backward_op(
     return _or_empty(grad_h, hidden), _or_empty(grad_w, weight), _or_empty(grad_b, weight)
 
 
-# fmt: skip
-
-
 @fused_linear_cross_entropy_backward_op.register_fake
 def _(grad_loss, hidden, weight, target, bias, ignore_index, label_smoothing, softcap, chunk_tokens, accumulation,
       needs):  # fmt: skip
@@ -350,56 +342,54 @@ def _finish_grads(grad_h, grad_w, grad_b, grad_loss, ctx):
     return (grad_h if needs_h else None), (grad_w if needs_w else None), (grad_b if needs_b else None)
 
 
-def _setup_context(ctx, inputs, output):
-    hidden, weight, target, bias, *options, chunk_tokens, accumulation, needs = inputs
-    ctx.needs, ctx.hidden_shape, ctx.weight_dtype = tuple(needs), hidden.shape, weight.dtype
-    ctx.reduction = options[2]
-    if ctx.reduction == "none":  # the backward runs the chunk loop again
-        ctx.save_for_backward(hidden, weight, target, bias)
-        ctx.arguments = (options[0], options[1], options[3], chunk_tokens, accumulation, needs)
-    else:
-        # The gradients get scaled in place in the backward: that bumps their versions, so a second
-        # backward through the same graph fails with "modified by an inplace operation" instead of
-        # scaling them twice.
-        ctx.save_for_backward(*output[1:])
-
-
-def _backward(ctx, grad_loss, *_unused):
-    if ctx.reduction == "none":
-        hidden, weight, target, bias = ctx.saved_tensors
-        grad_h, grad_w, grad_b = torch.ops.liger_lab.fused_linear_cross_entropy_backward(
-            grad_loss, hidden, weight, target, bias, *ctx.arguments
-        )
-        grad_h = grad_h.view(ctx.hidden_shape) if ctx.needs[0] else None
-        grad_w = grad_w.to(ctx.weight_dtype) if ctx.needs[1] else None
-        grad_b = grad_b.to(ctx.weight_dtype) if ctx.needs[2] else None
-    else:
-        grad_h, grad_w, grad_b = _finish_grads(*ctx.saved_tensors, grad_loss, ctx)
-    return grad_h, grad_w, None, grad_b, None, None, None, None, None, None, None
-
-
-fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _FusedLinearCrossEntropyInPlace(torch.autograd.Function):
-    """Autograd of the in-place variant (PyTorch registers autograd formulas on functional ops only)."""
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd of the three operators. The gradients are made in the forward and the backward scales them
+    in place by the upstream gradient, which is why this is an ``autograd.Function`` (traced by
+    torch.compile like any other code) and not a formula registered on the operator: PyTorch's registered
+    formulas may not modify an operator's outputs. reduction="none" runs the chunk loop in the backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, arguments):
-        needs = arguments[-1]
-        loss, grad_w, grad_b = torch.ops.liger_lab.fused_linear_cross_entropy_(hidden, weight, target, bias, *arguments)
-        # hidden now holds its gradient (the op bumped its version: a node that saved it for its own
-        # backward gets autograd's "modified by an inplace operation" error instead of using a gradient).
-        # Saved detached: the gradient is data now, not a node of the graph that made hidden.
-        ctx.save_for_backward(hidden.detach(), grad_w, grad_b)
-        ctx.needs, ctx.hidden_shape, ctx.weight_dtype = tuple(needs), hidden.shape, weight.dtype
+    def forward(ctx, hidden, weight, target, bias, arguments, in_place):
+        *_, reduction, _, _, _, needs = arguments
+        ctx.needs, ctx.hidden_shape, ctx.weight_dtype, ctx.reduction = (
+            tuple(needs),
+            hidden.shape,
+            weight.dtype,
+            reduction,
+        )
+        if in_place:
+            loss, grad_w, grad_b = torch.ops.liger_lab.fused_linear_cross_entropy_(
+                hidden, weight, target, bias, *arguments
+            )
+            # hidden now holds its gradient (the op bumped its version: a node that saved it for its own
+            # backward gets "modified by an inplace operation" instead of using a gradient). Saved
+            # detached: the gradient is data now, not a node of the graph that made hidden.
+            grads = (hidden.detach(), grad_w, grad_b)
+        else:
+            loss, *grads = torch.ops.liger_lab.fused_linear_cross_entropy(hidden, weight, target, bias, *arguments)
+        if reduction == "none":
+            ctx.save_for_backward(hidden, weight, target, bias)
+            ctx.arguments = tuple(a for i, a in enumerate(arguments) if i != 2)  # all but the reduction
+        else:
+            # Scaling in place bumps the gradients' versions: a second backward through the same graph
+            # fails with "modified by an inplace operation" instead of scaling them twice.
+            ctx.save_for_backward(*grads)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w, grad_b = _finish_grads(*ctx.saved_tensors, grad_loss, ctx)
-        # detach(): a fresh tensor object over hidden's memory, so a leaf's .grad is never the leaf itself
-        return grad_h.detach(), grad_w, None, grad_b, None
+        if ctx.reduction == "none":
+            hidden, weight, target, bias = ctx.saved_tensors
+            grad_h, grad_w, grad_b = torch.ops.liger_lab.fused_linear_cross_entropy_backward(
+                grad_loss, hidden, weight, target, bias, *ctx.arguments
+            )
+            grad_h = grad_h.view(ctx.hidden_shape) if ctx.needs[0] else None
+            grad_w = grad_w.to(ctx.weight_dtype) if ctx.needs[1] else None
+            grad_b = grad_b.to(ctx.weight_dtype) if ctx.needs[2] else None
+        else:
+            grad_h, grad_w, grad_b = _finish_grads(*ctx.saved_tensors, grad_loss, ctx)
+        # detach(): a fresh tensor object, so a leaf's .grad is never the leaf itself (in place: its memory)
+        return None if grad_h is None else grad_h.detach(), grad_w, None, grad_b, None, None
 
 
 def fused_linear_cross_entropy(
@@ -474,9 +464,9 @@ def fused_linear_cross_entropy(
     ]
     softcap = None if softcap is None else float(softcap)
     arguments = (ignore_index, options.label_smoothing, reduction, softcap, chunk_tokens, accumulation, needs)
-    in_place = in_place_backward and needs[0] and reduction != "none" and rows_to_overwrite(hidden) is not None
-    if in_place:
-        loss = _FusedLinearCrossEntropyInPlace.apply(hidden, weight, target, bias, arguments)
+    if any(needs):
+        in_place = in_place_backward and needs[0] and reduction != "none" and rows_to_overwrite(hidden) is not None
+        loss = FusedLinearCrossEntropyFunction.apply(hidden, weight, target, bias, arguments, bool(in_place))
     else:
         loss = torch.ops.liger_lab.fused_linear_cross_entropy(hidden, weight, target, bias, *arguments)[0]
     return loss.to(loss_dtype)

@@ -1,0 +1,178 @@
+"""The one table of liger_lab's ops: what each public op is, and everything that tests, checks or
+measures it reads from here.
+
+A row (:class:`OpSpec`) names the public function and its float64 reference, makes fresh inputs for a
+shape, gives the shapes used by checks and benchmarks, the bytes (or FLOPs) the op must move, the
+``liger_lab::`` PyTorch operators behind it, its opt-in variants, and its Liger-Kernel peer. The
+``liger-lab check`` command, the benchmarks (:mod:`liger_lab.bench`), the ``opcheck`` and
+``torch.compile`` tests all iterate over :data:`OPS`: a new op is one more row.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from liger_lab import reference, runtime
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One public op of liger_lab (see the module docstring)."""
+
+    name: str
+    """The public function, ``liger_lab.<name>``, and its reference, ``liger_lab.reference.<name>``."""
+    make_inputs: Callable[[Shape, torch.dtype], list[object]]
+    """Fresh random inputs for a shape, floating ones requiring grad."""
+    input_names: tuple[str, ...]
+    differentiable: tuple[str, ...]
+    """Inputs whose gradients are checked; the others are constants of the call (targets, RoPE tables)."""
+    bench_shape: Shape
+    """The benchmark-protocol shape of DESIGN.md (GPU)."""
+    quick_shape: Shape
+    """A quarter or less of the protocol shape: quick GPU runs."""
+    check_shapes: tuple[Shape, Shape]
+    """(interpreter, GPU) shapes of ``liger-lab check``."""
+    operators: tuple[str, ...]
+    """The ``liger_lab::`` operators this op is built from: the forward first, then backward and in-place ones."""
+    registered_autograd: bool = True
+    """Whether the forward operator carries its autograd formula (``register_autograd``). The losses that
+    make their gradient in the forward and scale it in place in the backward use an ``autograd.Function``
+    instead: a registered formula may not modify the operator's outputs."""
+    fwd_passes: float = 0.0
+    """Passes over ``elements(shape)`` elements that the forward must move (0: matmul-bound)."""
+    full_passes: float = 0.0
+    """The same for forward+backward."""
+    elements: Callable[[Shape], int] = math.prod
+    flops: Callable[[Shape], float] | None = None
+    """Forward+backward FLOPs, for the matmul-bound ops."""
+    variants: dict[str, dict[str, object]] = field(default_factory=dict)
+    """Opt-in keyword sets that get their own labelled benchmark row, e.g. ``{"in_place": {...}}``."""
+    liger: tuple[str, dict[str, object]] | None = None
+    """Liger-Kernel's functional op and the keywords that match our defaults."""
+    graph_timing: bool = True
+    """Whether a CUDA graph can capture the op (not when it reads a value back to the host)."""
+
+    @property
+    def function(self) -> Callable[..., object]:
+        return getattr(importlib.import_module("liger_lab"), self.name)
+
+    @property
+    def reference(self) -> Callable[..., object]:
+        return getattr(reference, self.name)
+
+    def call(self, **options: object) -> Callable[..., object]:
+        """The public function with keyword ``options`` bound (a variant's)."""
+        function = self.function
+        return (lambda *args: function(*args, **options)) if options else function
+
+    def check_shape(self) -> Shape:
+        return runtime.pick(cpu=self.check_shapes[0], gpu=self.check_shapes[1])
+
+
+def _randn(shape: Shape, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(shape, device=runtime.DEVICE)).to(dtype).requires_grad_()
+
+
+def _norm_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
+    weight = (1 + 0.1 * torch.randn(shape[-1], device=runtime.DEVICE)).to(dtype).requires_grad_()
+    return [_randn(shape, dtype), weight]
+
+
+def _layer_norm_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
+    return [*_norm_inputs(shape, dtype), _randn(shape[-1:], dtype, scale=0.1)]
+
+
+def _rope_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
+    batch, q_heads, k_heads, seq, head_dim = shape
+    angles = torch.arange(seq, device=runtime.DEVICE)[:, None] * torch.rand(head_dim // 2, device=runtime.DEVICE)
+    angles = torch.cat([angles, angles], dim=-1)[None]
+    return [
+        _randn((batch, q_heads, seq, head_dim), dtype),
+        _randn((batch, k_heads, seq, head_dim), dtype),
+        angles.cos().to(dtype),
+        angles.sin().to(dtype),
+    ]
+
+
+def _glu_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
+    return [_randn(shape, dtype), _randn(shape, dtype)]
+
+
+def _targets(n_tokens: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (n_tokens,), device=runtime.DEVICE)
+
+
+def _ce_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
+    n_tokens, vocab = shape
+    return [_randn(shape, dtype), _targets(n_tokens, vocab)]
+
+
+def _flce_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
+    n_tokens, hidden, vocab = shape
+    return [_randn((n_tokens, hidden), dtype), _randn((vocab, hidden), dtype, hidden**-0.5), _targets(n_tokens, vocab)]
+
+
+_NORM = dict(bench_shape=(16384, 4096), quick_shape=(4096, 4096), check_shapes=((3, 37, 96), (4, 1024, 4096)))
+_GLU = dict(bench_shape=(16384, 14336), quick_shape=(4096, 14336), check_shapes=((3, 33, 160), (2048, 14336)))
+_IN_PLACE = {"in_place_backward": {"in_place_backward": True}}
+
+OPS: dict[str, OpSpec] = {
+    spec.name: spec
+    for spec in (
+        OpSpec(
+            "rms_norm", _norm_inputs, ("x", "weight"), ("x", "weight"), **_NORM,
+            operators=("rms_norm", "rms_norm_backward", "rms_norm_backward_"),
+            fwd_passes=2, full_passes=5, variants=_IN_PLACE, liger=("liger_rms_norm", {"eps": 1e-6}),
+        ),
+        OpSpec(
+            "layer_norm", _layer_norm_inputs, ("x", "weight", "bias"), ("x", "weight", "bias"), **_NORM,
+            operators=("layer_norm", "layer_norm_backward"),
+            fwd_passes=2, full_passes=5, liger=("liger_layer_norm", {"eps": 1e-5}),
+        ),
+        OpSpec(
+            "rope", _rope_inputs, ("q", "k", "cos", "sin"), ("q", "k"),
+            bench_shape=(4, 32, 8, 4096, 128), quick_shape=(1, 32, 8, 4096, 128),
+            check_shapes=((2, 4, 2, 19, 32), (2, 32, 8, 1024, 128)),
+            operators=("rope", "rope_backward"),
+            fwd_passes=2, full_passes=4, elements=lambda s: s[0] * (s[1] + s[2]) * s[3] * s[4],
+            liger=("liger_rope", {}),
+        ),
+        OpSpec(
+            "swiglu", _glu_inputs, ("gate", "up"), ("gate", "up"), **_GLU,
+            operators=("glu", "glu_backward", "glu_backward_"),
+            fwd_passes=3, full_passes=8, variants=_IN_PLACE, liger=("liger_swiglu", {}),
+        ),
+        OpSpec(
+            "geglu", _glu_inputs, ("gate", "up"), ("gate", "up"), **_GLU,
+            operators=("glu", "glu_backward", "glu_backward_"),
+            fwd_passes=3, full_passes=8, variants=_IN_PLACE, liger=("liger_geglu", {}),
+        ),
+        OpSpec(
+            "cross_entropy", _ce_inputs, ("logits", "target"), ("logits",),
+            bench_shape=(8192, 128256), quick_shape=(2048, 128256), check_shapes=((67, 1000), (2048, 128256)),
+            operators=("cross_entropy", "cross_entropy_", "scale_rows_"),
+            fwd_passes=1, full_passes=3, variants=_IN_PLACE, liger=("liger_cross_entropy", {}),
+            graph_timing=False, registered_autograd=False,
+        ),
+        OpSpec(
+            "fused_linear_cross_entropy", _flce_inputs, ("hidden", "weight", "target"), ("hidden", "weight"),
+            bench_shape=(8192, 4096, 128256), quick_shape=(2048, 4096, 128256),
+            check_shapes=((67, 64, 1000), (2048, 4096, 128256)),
+            operators=(
+                "fused_linear_cross_entropy", "fused_linear_cross_entropy_", "fused_linear_cross_entropy_backward",
+                "scale_rows", "scale_rows_",
+            ),
+            elements=lambda s: s[0] * s[2], flops=lambda s: 6.0 * s[0] * s[1] * s[2],
+            variants=_IN_PLACE, liger=("liger_fused_linear_cross_entropy", {}), graph_timing=False,
+            registered_autograd=False,
+        ),
+    )
+}  # fmt: skip
+"""Every public op, by name."""

@@ -1,0 +1,112 @@
+"""Every op of the table is a PyTorch custom operator: opcheck'ed, and traced by torch.compile without graph
+breaks (fullgraph=True), with the same outputs and gradients as eager, in its default call and its variants."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from liger_lab import runtime
+from liger_lab.ops.table import OPS, OpSpec
+
+CASES = [(name, label) for name, spec in OPS.items() for label in ("default", *spec.variants)]
+IDS = [f"{name}-{label}" for name, label in CASES]
+
+
+def _options(spec: OpSpec, label: str) -> dict[str, object]:
+    return {} if label == "default" else dict(spec.variants[label])
+
+
+def _inputs(spec: OpSpec, seed: int = 0) -> list[object]:
+    torch.manual_seed(seed)
+    inputs = spec.make_inputs(spec.check_shapes[0], torch.float32)
+    named = dict(zip(spec.input_names, inputs, strict=True))
+    if "target" in named:
+        named["target"][::5] = -100
+    # Intermediate results, as in a model: an in-place variant may write over them, never over a leaf.
+    return [v * 1.0 if isinstance(v, torch.Tensor) and v.requires_grad else v for v in inputs]
+
+
+def _leaves(inputs: list[object]) -> list[torch.Tensor]:
+    return [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad]
+
+
+def _loss(outputs: object) -> torch.Tensor:
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    # A fixed, non-uniform upstream gradient: every output element gets its own weight.
+    weights = [torch.linspace(-1, 2, out.numel(), device=out.device).view(out.shape) for out in outputs]
+    return sum((out.float() * weight).sum() for out, weight in zip(outputs, weights, strict=True))
+
+
+class _Recorder(TorchDispatchMode):
+    """Every liger_lab:: operator call below autograd, with a copy of its arguments taken before the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[object, tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "liger_lab":
+            clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else copy.copy(v)  # noqa: E731
+            self.calls.append((func, tuple(map(clone, args)), {k: clone(v) for k, v in kwargs.items()}))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name,label", CASES, ids=IDS)
+def test_every_operator_behind_the_op_passes_opcheck(name, label):
+    spec = OPS[name]
+    inputs = _inputs(spec)
+    with _Recorder() as recorder:
+        _loss(spec.call(**_options(spec, label))(*inputs)).backward()
+    called = {func._name.split("::")[1] for func, _, _ in recorder.calls}
+    assert called and called <= set(spec.operators), (called, spec.operators)
+    forward = f"liger_lab::{spec.operators[0]}"
+    for func, args, kwargs in recorder.calls:
+        if func._schema.name == forward and spec.registered_autograd:  # opcheck tests the formula too
+            args = tuple(
+                a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+            )
+        torch.library.opcheck(func, args, kwargs)
+
+
+def test_the_table_lists_every_registered_operator():
+    listed = {op for spec in OPS.values() for op in spec.operators}
+    registered = {
+        name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("liger_lab::")
+    }
+    assert registered == listed
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name,label", CASES, ids=IDS)
+def test_compiled_fullgraph_matches_eager(name, label, backend):
+    spec = OPS[name]
+    fn = spec.call(**_options(spec, label))
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    results = []
+    for run in (fn, compiled):
+        inputs = _inputs(spec)
+        outputs = run(*inputs)
+        leaves = [v for v in inputs if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+        grads = torch.autograd.grad(_loss(outputs), leaves)
+        results.append((outputs if isinstance(outputs, tuple) else (outputs,), grads))
+    (eager_out, eager_grads), (compiled_out, compiled_grads) = results
+    for ours, expected in zip(compiled_out + compiled_grads, eager_out + eager_grads, strict=True):
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_no_graph_break(name):
+    spec = OPS[name]
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(spec.function)(*_inputs(spec))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+
+def test_runs_where_kernels_run():
+    assert runtime.DEVICE.type == ("cpu" if runtime.INTERPRET else "cuda")
