@@ -110,3 +110,15 @@ def test_no_graph_break(name):
 
 def test_runs_where_kernels_run():
     assert runtime.DEVICE.type == ("cpu" if runtime.INTERPRET else "cuda")
+
+
+@pytest.mark.parametrize("name,label", CASES, ids=IDS)
+def test_empty_inputs_forward_and_backward(name, label):
+    spec = OPS[name]
+    inputs = [v * 1.0 if isinstance(v, torch.Tensor) and v.requires_grad else v
+              for v in spec.make_inputs((0, *spec.check_shapes[0][1:]), torch.float32)]  # fmt: skip
+    leaves = [v for v in inputs if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    outputs = spec.call(**_options(spec, label))(*inputs)
+    grads = torch.autograd.grad(_loss(outputs), leaves, allow_unused=True)
+    for leaf, grad in zip(leaves, grads, strict=True):
+        assert grad is None or (grad.shape == leaf.shape and torch.isfinite(grad).all())

@@ -51,6 +51,14 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
 
 
+def in_place_requested(in_place_backward: bool) -> bool:
+    """Whether an op's opt-in ``in_place_backward`` takes effect: eagerly, yes; under ``torch.compile``, no.
+    The compiler plans buffers itself, and its functionalization would turn writes over a caller's tensor
+    back into copies (or, for a tensor the traced code still reads, refuse the graph), so every op takes
+    its default path there."""
+    return bool(in_place_backward) and not torch.compiler.is_compiling()
+
+
 def rows_to_overwrite(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` as (rows, last dim) over its own memory when a kernel may write results over it row by row;
     None for an ``nn.Parameter`` (model state is never clobbered), a layout that cannot be viewed as rows

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
-from liger_lab.ops.common import as_rows, check_float, rows_to_overwrite
+from liger_lab.ops.common import as_rows, check_float, in_place_requested, rows_to_overwrite
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -452,7 +452,8 @@ def cross_entropy(
     loss) *before*. An ``nn.Parameter`` and a layout the kernel cannot write row by row (non-unit column
     stride, overlapping rows) take the default path instead. A node that saved these logits for its own
     backward then raises PyTorch's "modified by an inplace operation" error instead of going wrong.
-    A target out of range raises ValueError in either mode with every caller tensor left untouched.
+    Under ``torch.compile`` the option changes nothing: the compiler plans the buffers itself. A target
+    out of range raises ValueError in either mode with every caller tensor left untouched.
     """
     options = LossOptions(ignore_index, float(label_smoothing), reduction, softcap, float(z_loss_scale))
     check_loss_options(options)
@@ -462,7 +463,7 @@ def cross_entropy(
     check_target_tensor(target, logits.shape[:-1])
     options = replace(options, softcap=None if softcap is None else float(softcap))
     if logits.requires_grad and torch.is_grad_enabled():
-        in_place = bool(in_place_backward) and rows_to_overwrite(logits) is not None
+        in_place = in_place_requested(in_place_backward) and rows_to_overwrite(logits) is not None
         loss = CrossEntropyFunction.apply(logits, target, options, in_place)
     else:
         loss = torch.ops.liger_lab.cross_entropy(logits, target, *astuple(options), False)[0]

@@ -46,7 +46,7 @@ import functools
 
 import torch
 
-from liger_lab.ops.common import check_float, rows_to_overwrite
+from liger_lab.ops.common import check_float, in_place_requested, rows_to_overwrite
 from liger_lab.ops.cross_entropy import (
     LossOptions,
     check_loss_options,
@@ -425,7 +425,8 @@ def fused_linear_cross_entropy(
     8192 x 4096 bf16). For a ``hidden`` that nothing else reads afterwards, such as a causal LM's final
     norm output (``liger_lab.patch`` passes it so). After the call ``hidden`` holds ``dloss/dhidden``; an
     ``nn.Parameter`` is never overwritten, and a node that saved ``hidden`` for its own backward raises
-    autograd's "modified by an inplace operation" error instead of going wrong.
+    autograd's "modified by an inplace operation" error instead of going wrong. Under ``torch.compile``
+    the option changes nothing: the compiler plans the buffers itself.
     """
     options = LossOptions(ignore_index, float(label_smoothing), reduction, softcap, 0.0)
     check_loss_options(options)
@@ -465,7 +466,12 @@ def fused_linear_cross_entropy(
     softcap = None if softcap is None else float(softcap)
     arguments = (ignore_index, options.label_smoothing, reduction, softcap, chunk_tokens, accumulation, needs)
     if any(needs):
-        in_place = in_place_backward and needs[0] and reduction != "none" and rows_to_overwrite(hidden) is not None
+        in_place = (
+            in_place_requested(in_place_backward)
+            and needs[0]
+            and reduction != "none"
+            and rows_to_overwrite(hidden) is not None
+        )
         loss = FusedLinearCrossEntropyFunction.apply(hidden, weight, target, bias, arguments, bool(in_place))
     else:
         loss = torch.ops.liger_lab.fused_linear_cross_entropy(hidden, weight, target, bias, *arguments)[0]

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
-from liger_lab.ops.common import as_rows, check_feature_vector, check_float, sum_partials
+from liger_lab.ops.common import as_rows, check_feature_vector, check_float, in_place_requested, sum_partials
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -215,7 +215,8 @@ def rms_norm(
 
     ``in_place_backward=True`` writes the input gradient over the incoming output gradient, saving one
     activation-sized buffer; use it only where the norm's output feeds a layer whose backward makes a
-    fresh gradient (a linear projection), never where the output is added to a residual.
+    fresh gradient (a linear projection), never where the output is added to a residual. Under ``torch.compile``
+    the option changes nothing: the compiler plans the buffers itself.
     """
     check_float("x", x)
     check_feature_vector("weight", weight, x)
@@ -223,5 +224,7 @@ def rms_norm(
         raise ValueError(f"casting_mode is {casting_mode!r}: expected one of {CASTING_MODES}")
     if not eps >= 0:
         raise ValueError(f"eps is {eps}: expected a non-negative number")
-    y, _ = torch.ops.liger_lab.rms_norm(x, weight, float(eps), float(offset), casting_mode, bool(in_place_backward))
+    y, _ = torch.ops.liger_lab.rms_norm(
+        x, weight, float(eps), float(offset), casting_mode, in_place_requested(in_place_backward)
+    )
     return y

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
-from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape
+from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape, in_place_requested
 
 # Globals a kernel reads must be constexpr.
 _K = tl.constexpr(math.sqrt(2.0 / math.pi))
@@ -188,7 +188,7 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, in_place_backwar
     check_same_shape(gate=gate, up=up)
     check_same_dtype(gate=gate, up=up)
     # gate and up as one tensor: the in-place backward's two stores would race over the same memory.
-    return torch.ops.liger_lab.glu(gate, up, activation, bool(in_place_backward) and gate is not up)
+    return torch.ops.liger_lab.glu(gate, up, activation, in_place_requested(in_place_backward) and gate is not up)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = False) -> torch.Tensor:
