@@ -27,7 +27,14 @@ honours ``num_items_in_batch`` (the Trainer's gradient-accumulation normaliser: 
 by it), ``shift_labels``, ``ignore_index``, ``logits_to_keep`` and ``return_dict``, and applies Gemma 2's
 ``final_logit_softcapping`` inside the fused loss. Without labels, in eval mode, or with
 ``skip_logits=False``, the model returns logits as transformers does (with ``cross_entropy=True`` the loss
-then comes from :func:`liger_lab.cross_entropy`).
+then comes from :func:`liger_lab.cross_entropy`). With ``return_dict=False`` the tuple has transformers'
+layout, the logits' slot included (None when the fused loss ran).
+
+A patched model pickles (``torch.save(model)``) and loads in any process: the fused classes are found by
+name in this module (:func:`__getattr__` rebuilds them), a patched model's own ``forward`` pickles as its
+options, and a fused attention that is unpickled or deep-copied holds the rope swap itself, so it keeps
+running the fused kernel. A model built while its family was patched keeps its fused modules when loaded,
+but its loss is its class's: transformers' own in a process where the family is not patched.
 """
 
 from __future__ import annotations
@@ -155,7 +162,8 @@ _UNFUSED: dict[type, type] = {}
 
 
 def _fused_subclass(original: type, forward: Callable[..., torch.Tensor], **attributes: object) -> type:
-    """A subclass of ``original`` that only overrides ``forward`` (made once per class)."""
+    """A subclass of ``original`` that only overrides ``forward`` (made once per class). Its ``__qualname__`` is
+    its name, ``Fused`` + the original's, under which :func:`__getattr__` finds it for pickle."""
     if original not in _FUSED:
         namespace = {"forward": forward, "__module__": __name__, "__doc__": f"{original.__name__} on liger_lab kernels"}
         fused = type(f"Fused{original.__name__}", (original,), {**namespace, **attributes})
@@ -229,7 +237,7 @@ class _FusedRope:
     depth = 0
 
 
-def _attention_class(original: type) -> type:
+def _attention_class(modeling: types.ModuleType, original: type) -> type:
     def forward(self, *args, **kwargs):
         _FusedRope.depth += 1
         try:
@@ -237,7 +245,13 @@ def _attention_class(original: type) -> type:
         finally:
             _FusedRope.depth -= 1
 
-    return _fused_subclass(original, forward)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled (torch.load, possibly in another process) or deep-copied: nothing else may hold the rope
+        # swap for this module, so it holds it itself, until it is collected or its model unpatched.
+        original.__setstate__(self, state)
+        _hold(modeling, "apply_rotary_pos_emb", _rope_dispatcher(modeling), self)
+
+    return _fused_subclass(original, forward, __setstate__=__setstate__)
 
 
 _DISPATCHERS: dict[types.ModuleType, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -307,6 +321,45 @@ def _causal_lm_forward(original: Callable[..., Any], *, fused: bool, cross_entro
     return forward
 
 
+@functools.cache
+def _loss_forward_of(model_type: str, fused: bool, cross_entropy: bool) -> Callable[..., Any]:
+    """The family's ``...ForCausalLM.forward`` wrapped by :func:`_causal_lm_forward` (one per choice)."""
+    family, modeling = _family(model_type), _modeling(model_type)
+    original = _original(_causal_lm(family, modeling), "forward")
+    return _causal_lm_forward(original, fused=fused, cross_entropy=cross_entropy)
+
+
+def _causal_lm(family: _Family, modeling: types.ModuleType) -> type:
+    return getattr(modeling, f"{family.prefix}ForCausalLM")
+
+
+class _BoundForward:
+    """A patched model's own ``forward``: its family's fused-loss forward bound to it, like a method (it has
+    ``__self__``, ``__func__`` and the wrapped forward's signature, which the Trainer reads to pick the
+    dataset columns). Unlike a bound method of a function made at patch time, it pickles and deep-copies:
+    as the model and the options that choose the function."""
+
+    def __init__(self, model: nn.Module, model_type: str, *, fused: bool, cross_entropy: bool) -> None:
+        self.__self__ = model
+        self.model_type = model_type
+        self.fused = fused
+        self.cross_entropy = cross_entropy
+
+    @property
+    def __func__(self) -> Callable[..., Any]:
+        return _loss_forward_of(self.model_type, self.fused, self.cross_entropy)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(types.MethodType(self.__func__, self.__self__))
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<liger_lab forward of {type(self.__self__).__name__}>"
+
+
 def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, Any], *, fused: bool):
     """transformers' causal-LM forward with the loss computed by liger_lab's kernels."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -371,7 +424,11 @@ def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, A
     output = CausalLMOutputWithPast(**{**carried, "loss": loss, "logits": logits})
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
-    return output if return_dict else output.to_tuple()
+    if return_dict:
+        return output
+    # to_tuple() drops the None entries, and transformers' model always has logits here: keep their slot, so
+    # the tuple reads (loss, logits or None, cache, ...) like the unpatched model's.
+    return (loss, logits, *(value for name, value in output.items() if name not in ("loss", "logits")))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -452,29 +509,27 @@ def _unwrap(model: object) -> nn.Module:
     )
 
 
+# Class-name suffix of each fused piece in a modeling module -> the option of patch() that fuses it.
+_PIECES = {"RMSNorm": "rms_norm", "MLP": "swiglu", "Attention": "rope"}
+
+
+def _fused_piece(family: _Family, modeling: types.ModuleType, suffix: str) -> tuple[type, type]:
+    """(transformers class, its fused subclass) for one piece of a family."""
+    original = _original(modeling, family.prefix + suffix)
+    if suffix == "RMSNorm":
+        return original, _norm_class(family, original)
+    if suffix == "MLP":
+        return original, _mlp_class(family, original)
+    return original, _attention_class(modeling, original)
+
+
 def _fused_classes(family: _Family, modeling: types.ModuleType, options: _Options) -> dict[str, tuple[type, type]]:
     """Name in the modeling module -> (transformers class, its fused subclass), for the pieces asked for."""
-    makers = {
-        "RMSNorm": (options.rms_norm, functools.partial(_norm_class, family)),
-        "MLP": (options.swiglu, functools.partial(_mlp_class, family)),
-        "Attention": (options.rope, _attention_class),
+    return {
+        family.prefix + suffix: _fused_piece(family, modeling, suffix)
+        for suffix, option in _PIECES.items()
+        if getattr(options, option)
     }
-    classes = {}
-    for suffix, (wanted, make) in makers.items():
-        if wanted:
-            name = family.prefix + suffix
-            original = _original(modeling, name)
-            classes[name] = (original, make(original))
-    return classes
-
-
-def _loss_forward_of(family: _Family, modeling: types.ModuleType, options: _Options):
-    causal_lm = getattr(modeling, f"{family.prefix}ForCausalLM")
-    original = _original(causal_lm, "forward")
-    forward = _causal_lm_forward(
-        original, fused=options.fused_linear_cross_entropy, cross_entropy=options.cross_entropy
-    )
-    return causal_lm, original, forward
 
 
 def _patch_family(model_type: str, options: _Options) -> None:
@@ -484,8 +539,8 @@ def _patch_family(model_type: str, options: _Options) -> None:
     if options.rope:
         replacements.append((modeling, "apply_rotary_pos_emb", _rope_dispatcher(modeling)))
     if options.loss:
-        causal_lm, _, forward = _loss_forward_of(family, modeling, options)
-        replacements.append((causal_lm, "forward", forward))
+        forward = _loss_forward_of(model_type, options.fused_linear_cross_entropy, options.cross_entropy)
+        replacements.append((_causal_lm(family, modeling), "forward", forward))
     for owner, name, replacement in replacements:
         _hold(owner, name, replacement, record)
         record.held.append((owner, name))
@@ -516,20 +571,38 @@ def _patch_model(model: nn.Module, options: _Options) -> None:
             module.in_place_backward = True
     if options.rope:
         _hold(modeling, "apply_rotary_pos_emb", _rope_dispatcher(modeling), model)
-    causal_lm, original_forward, forward = _loss_forward_of(family, modeling, options)
+    causal_lm = _causal_lm(family, modeling)
     # A subclass with its own forward, or a family patched at class level, keeps the forward it has.
-    if options.loss and isinstance(model, causal_lm) and type(model).forward is original_forward:
-        model.forward = types.MethodType(forward, model)
+    if options.loss and isinstance(model, causal_lm) and type(model).forward is _original(causal_lm, "forward"):
+        model.forward = _BoundForward(
+            model, model_type, fused=options.fused_linear_cross_entropy, cross_entropy=options.cross_entropy
+        )
 
 
 def _unpatch_model(model: nn.Module) -> None:
     model_type = getattr(model.config, "model_type", None)
     _family(model_type)
+    modeling = _modeling(model_type)
     for module in model.modules():
         original = _UNFUSED.get(type(module))
         if original is not None:
             module.__class__ = original
             module.__dict__.pop("in_place_backward", None)
-    if getattr(getattr(model.__dict__.get("forward"), "__func__", None), "liger_lab_patched", False):
+            _release(modeling, "apply_rotary_pos_emb", module)  # held by an unpickled fused attention
+    if isinstance(model.__dict__.get("forward"), _BoundForward):
         del model.forward
-    _release(_modeling(model_type), "apply_rotary_pos_emb", model)
+    _release(modeling, "apply_rotary_pos_emb", model)
+
+
+def __getattr__(name: str) -> type:
+    """The fused classes by name (``FusedLlamaRMSNorm``, ...), made on demand: pickle looks up the class of a
+    patched module here, also in a process that has patched nothing yet."""
+    for model_type, family in FAMILIES.items():
+        for suffix in _PIECES:
+            if name == f"Fused{family.prefix}{suffix}":
+                try:
+                    modeling = _modeling(model_type)
+                except ImportError as error:  # a transformers without this family
+                    raise AttributeError(f"module {__name__!r} has no attribute {name!r}: {error}") from error
+                return _fused_piece(family, modeling, suffix)[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,197 @@
+"""A patched model behaves like a transformers model beyond training steps: it pickles whole
+(``torch.save(model)``) and loads in this process or a new one, and ``return_dict=False`` gives the
+unpatched model's tuple layout.
+"""
+
+import copy
+import gc
+import inspect
+import io
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from test_patching import LOSS_TOL, batch, fused_class_names, tiny_model
+
+import liger_lab
+from liger_lab import patching
+from liger_lab.checks import relative_l2_error
+
+transformers = pytest.importorskip("transformers")
+
+FUSED_LLAMA = {"FusedLlamaRMSNorm", "FusedLlamaMLP", "FusedLlamaAttention"}
+
+
+@pytest.fixture(autouse=True)
+def _no_patched_models_left_over():
+    gc.collect()
+    yield
+
+
+def pickled(model) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    return buffer.getvalue()
+
+
+def unpickled(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def loss_of(model, input_ids, labels):
+    with torch.no_grad():
+        return model(input_ids=input_ids, labels=labels)
+
+
+def rope_is_swapped(modeling) -> bool:
+    return modeling.apply_rotary_pos_emb is not patching._original(modeling, "apply_rotary_pos_emb")
+
+
+def test_fused_classes_are_found_by_name():
+    """What pickle does with the class of a patched module, for every family and piece."""
+    everything = patching._Options(True, True, True, False, True)
+    for model_type, family in patching.FAMILIES.items():
+        classes = patching._fused_classes(family, patching._modeling(model_type), everything)
+        assert len(classes) == 3
+        for name, (_, fused) in classes.items():
+            assert fused.__name__ == fused.__qualname__ == f"Fused{name}"
+            assert getattr(patching, fused.__name__) is fused
+    with pytest.raises(AttributeError):
+        patching.FusedBertMLP  # noqa: B018
+
+
+def test_instance_patched_model_pickles_and_computes_the_same_loss():
+    model = liger_lab.patch(tiny_model("llama"))
+    input_ids, labels = batch()
+    before = loss_of(model, input_ids, labels)
+    loaded = unpickled(pickled(model))
+
+    assert fused_class_names(loaded) == FUSED_LLAMA
+    assert loaded.forward.__self__ is loaded  # bound to the loaded model, not to the one saved
+    assert inspect.signature(loaded.forward) == inspect.signature(tiny_model("llama").forward)
+    after = loss_of(loaded, input_ids, labels)
+    assert after.logits is None  # the fused loss still runs
+    assert relative_l2_error(after.loss, before.loss) < LOSS_TOL
+    liger_lab.unpatch(model)
+    liger_lab.unpatch(loaded)
+
+
+def test_family_patched_model_pickles_and_computes_the_same_loss():
+    liger_lab.patch("llama")
+    try:
+        model = tiny_model("llama")
+        input_ids, labels = batch()
+        before = loss_of(model, input_ids, labels)
+        loaded = unpickled(pickled(model))
+        assert fused_class_names(loaded) == FUSED_LLAMA
+        after = loss_of(loaded, input_ids, labels)
+        assert after.logits is None
+        assert relative_l2_error(after.loss, before.loss) < LOSS_TOL
+    finally:
+        liger_lab.unpatch("llama")
+
+
+def test_a_loaded_model_holds_the_rope_swap_until_unpatched():
+    modeling = patching._modeling("llama")
+    model = liger_lab.patch(tiny_model("llama"))
+    input_ids, labels = batch()
+    before = loss_of(model, input_ids, labels)
+    loaded = unpickled(pickled(model))
+    del model
+    gc.collect()
+    assert rope_is_swapped(modeling)  # the loaded model's attention runs the fused kernel still
+
+    liger_lab.unpatch(loaded)
+    assert not fused_class_names(loaded) and "forward" not in vars(loaded)
+    assert not rope_is_swapped(modeling)
+    after = loss_of(loaded, input_ids, labels)
+    assert after.logits is not None  # transformers' forward again
+    assert relative_l2_error(after.loss, before.loss) < LOSS_TOL
+
+
+FRESH_PROCESS = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import liger_lab  # before the pickle names liger_lab.patching: picks the interpreter on CPU
+    from liger_lab import patching
+
+    modeling = patching._modeling("llama")
+    swapped = lambda: modeling.apply_rotary_pos_emb is not patching._original(modeling, "apply_rotary_pos_emb")
+    fused = lambda model: sorted(type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Fused"))
+    reports = {}
+    for how, path in zip(sys.argv[1::2], sys.argv[2::2]):  # one model after the other: each holds the rope
+        saved = torch.load(path, weights_only=False)
+        model, input_ids, labels = saved["model"], saved["input_ids"], saved["labels"]
+        report = reports[how] = {"fused": fused(model), "rope_swapped": swapped()}
+        report["own_forward"] = "forward" in vars(model)
+        with torch.no_grad():
+            out = model(input_ids=input_ids, labels=labels)
+        report.update(loss=out.loss.item(), logits=out.logits is not None)
+        liger_lab.unpatch(model)
+        report.update(fused_after_unpatch=fused(model), rope_swapped_after_unpatch=swapped())
+        with torch.no_grad():
+            report["loss_after_unpatch"] = model(input_ids=input_ids, labels=labels).loss.item()
+    print(json.dumps(reports))
+    """
+)
+
+
+def save_patched_model(how: str, path) -> float:
+    """Save a model patched one way, with a batch; return its loss on that batch."""
+    if how == "family":
+        liger_lab.patch("llama")
+    model = tiny_model("llama") if how == "family" else liger_lab.patch(tiny_model("llama"))
+    try:
+        input_ids, labels = batch()
+        torch.save({"model": model, "input_ids": input_ids, "labels": labels}, path)
+        return loss_of(model, input_ids, labels).loss.item()
+    finally:
+        liger_lab.unpatch("llama" if how == "family" else model)
+
+
+def test_patched_models_load_in_a_fresh_process(tmp_path):
+    ways = ("instance", "family")
+    expected = {how: save_patched_model(how, tmp_path / f"{how}.pt") for how in ways}
+    arguments = [str(item) for how in ways for item in (how, tmp_path / f"{how}.pt")]
+    result = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS, *arguments], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = json.loads(result.stdout.strip().splitlines()[-1])
+    for how in ways:
+        report = reports[how]
+        assert set(report["fused"]) == FUSED_LLAMA, how
+        assert report["rope_swapped"], how  # the fused attention holds the rope swap again
+        # An instance patch travels with the model; a family patch stays in the process that made it, so
+        # there the loss is transformers' own (the same value, from logits).
+        assert report["own_forward"] == (how == "instance")
+        assert report["logits"] == (how == "family")
+        for loss in (report["loss"], report["loss_after_unpatch"]):
+            assert abs(loss - expected[how]) <= LOSS_TOL * abs(expected[how]), (how, loss, expected[how])
+        assert report["fused_after_unpatch"] == [] and not report["rope_swapped_after_unpatch"], how
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("output_hidden_states", [False, True])
+def test_tuple_output_has_the_unpatched_layout(use_cache, output_hidden_states):
+    reference = tiny_model("llama")
+    model = liger_lab.patch(copy.deepcopy(reference))
+    input_ids, labels = batch()
+    kwargs = dict(labels=labels, return_dict=False, use_cache=use_cache, output_hidden_states=output_hidden_states)
+    with torch.no_grad():
+        theirs = reference(input_ids=input_ids, **kwargs)
+        ours = model(input_ids=input_ids, **kwargs)  # training: the fused loss, without logits
+        ours_with_logits = model(input_ids=input_ids, skip_logits=False, **kwargs)
+    layout = [type(value).__name__ for value in theirs]
+    assert [type(value).__name__ for value in ours_with_logits] == layout
+    assert [type(value).__name__ for value in ours] == ["Tensor", "NoneType", *layout[2:]]
+    for out in (ours, ours_with_logits):
+        assert relative_l2_error(out[0], theirs[0]) < LOSS_TOL
+    assert relative_l2_error(ours_with_logits[1], theirs[1]) < 1e-5
+    if output_hidden_states:
+        assert relative_l2_error(ours[-1][-1], theirs[-1][-1]) < 1e-5
+    liger_lab.unpatch(model)
