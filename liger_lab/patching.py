@@ -46,7 +46,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -410,18 +410,20 @@ def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, A
         logits = head(kept)
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
-        # The kernel writes the gradient over the logits it is given: give it an fp32 copy (what
-        # transformers' loss makes too), so the logits returned stay logits.
+        # An fp32 copy of the logits (what transformers' loss makes too) belongs to the loss alone: its
+        # gradient may go over it, and the logits returned stay logits.
         loss = ce_ops.cross_entropy(
             logits.to(torch.float32, copy=True).reshape(-1, logits.shape[-1]), target, ignore_index=ignore_index,
-            reduction=reduction,
+            reduction=reduction, in_place_backward=True,
         )  # fmt: skip
     loss = loss.float()  # fp32 like transformers' loss (the kernels return the logits' or hidden's dtype)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
 
-    carried = {f.name: getattr(outputs, f.name, None) for f in fields(CausalLMOutputWithPast)}
-    output = CausalLMOutputWithPast(**{**carried, "loss": loss, "logits": logits})
+    # The fields of CausalLMOutputWithPast besides loss and logits, named (torch.compile cannot trace
+    # dataclasses.fields of it without a graph break).
+    carried = {name: getattr(outputs, name, None) for name in ("past_key_values", "hidden_states", "attentions")}
+    output = CausalLMOutputWithPast(**carried, loss=loss, logits=logits)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
     if return_dict:

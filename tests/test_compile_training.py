@@ -80,3 +80,14 @@ def test_activation_checkpointing_with_compile():
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
     _assert_same_training(_steps(compiled, input_ids, labels), _steps(twin, input_ids, labels))
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_patched_model_with_its_fused_loss_is_one_graph(model_type):
+    torch.manual_seed(0)
+    model = liger_lab.patch(tiny_model(model_type))
+    input_ids, labels = batch()
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(input_ids=input_ids, labels=labels)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+    assert not explanation.break_reasons
