@@ -8,7 +8,14 @@ Modes:
 
 * ``"hf"``: the model as Hugging Face writes it (eager PyTorch, SDPA attention);
 * ``"liger_lab"``: after :func:`liger_lab.patch` (fused RMSNorm, RoPE, SwiGLU, linear + cross-entropy);
-* ``"liger"``: after Liger-Kernel's ``apply_liger_kernel_to_llama`` (when installed).
+* ``"liger"``: after Liger-Kernel's ``apply_liger_kernel_to_llama`` (when installed);
+* ``"hf+compile"`` and ``"liger_lab+compile"``: the same two models, then ``model.compile()`` (the
+  forward and, through AOTAutograd, the backward; the AdamW step stays eager). The first warm-up step
+  compiles; it is timed on its own (``compile_s``) and never counted in tokens/s.
+
+Every row keeps the loss of every step (``losses``), so two modes can be checked to train the same way
+(:func:`compare_losses`): same seed, same weights, same batch, so step i of one run is step i of the
+other. :func:`check_targets` holds the throughput and memory targets of the compiled patched model.
 
 Patching replaces module-level functions, and a peak-memory figure means nothing if an earlier run left
 tensors or a fragmented cache behind, so every measurement runs in a fresh Python process
@@ -25,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -38,7 +47,10 @@ import liger_lab
 from liger_lab import bench, runtime
 
 GIB = 2**30
-MODES = ("hf", "liger_lab", "liger")
+MODES = ("hf", "liger_lab", "liger", "hf+compile", "liger_lab+compile")
+COMPILE_SUFFIX = "+compile"
+# Two bf16 losses that differ by less than one bf16 step (2**-7 relative) are the same loss.
+BF16_RTOL = 2.0**-7
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
     # 1498M parameters: the model of the end-to-end benchmark.
@@ -169,13 +181,44 @@ def format_breakdown(columns: dict[str, dict[str, int]]) -> str:
     return "\n".join(lines)
 
 
+def base_mode(mode: str) -> str:
+    """``"liger_lab+compile"`` -> ``"liger_lab"``: the eager mode a compile mode starts from."""
+    return mode.removesuffix(COMPILE_SUFFIX)
+
+
+def is_compiled(mode: str) -> bool:
+    return mode.endswith(COMPILE_SUFFIX)
+
+
+def compile_available() -> bool:
+    """Whether ``torch.compile`` with its default backend (inductor) can run here: Dynamo supports this
+    Python and platform, and, on CPU, where inductor writes C++, a C++ compiler is found."""
+    try:
+        import torch._dynamo
+
+        if not torch._dynamo.is_dynamo_supported():
+            return False
+    except Exception:
+        return False
+    if not runtime.INTERPRET:
+        return True
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return bool(get_cpp_compiler())
+    except Exception:
+        return any(shutil.which(cxx) for cxx in ("g++", "clang++", "c++"))
+
+
 def available_modes() -> list[str]:
-    """The modes that can run in this install."""
+    """The modes that can run in this install: eager ones first, then their compiled versions."""
     modes = ["hf"]
     if hasattr(liger_lab, "patch"):
         modes.append("liger_lab")
     if bench.liger_kernel_installed() and not runtime.INTERPRET:
         modes.append("liger")
+    if compile_available():
+        modes += [m + COMPILE_SUFFIX for m in ("hf", "liger_lab") if m in modes]
     return modes
 
 
@@ -189,19 +232,23 @@ def build_model(config, *, dtype: torch.dtype | None = None, seed: int = 0) -> t
     return model.train()
 
 
-def apply_mode(model: torch.nn.Module, mode: str) -> None:
+def apply_mode(model: torch.nn.Module, mode: str, *, compile_backend: str = "inductor") -> torch.nn.Module:
     """Swap in the kernels of ``mode`` (this changes module-level functions of transformers: one mode
-    per process)."""
-    if mode == "hf":
-        return
-    if mode == "liger_lab":
+    per process); for a ``+compile`` mode, then compile the model in place (``model.compile``, so
+    ``model(...)`` runs the compiled forward and the optimizer keeps the same parameters). Returns the
+    model."""
+    if mode not in MODES:
+        raise ValueError(f"mode is {mode!r}: expected one of {MODES}")
+    base = base_mode(mode)
+    if base == "liger_lab":
         liger_lab.patch(model)
-    elif mode == "liger":
+    elif base == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama(model=model)
-    else:
-        raise ValueError(f"mode is {mode!r}: expected one of {MODES}")
+    if is_compiled(mode):
+        model.compile(backend=compile_backend)
+    return model
 
 
 def _batch(config, batch: int, seq: int, seed: int) -> torch.Tensor:
@@ -234,6 +281,13 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torc
     return loss.detach()
 
 
+def _compile_counts() -> dict[str, int]:
+    # Dynamo's counters: graphs compiled so far and graph breaks met while tracing.
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
 def _row(mode: str, config, batch: int, seq: int, **fields: Any) -> dict[str, Any]:
     from importlib.metadata import version
 
@@ -255,26 +309,51 @@ def train(
     dtype: torch.dtype | None = None,
     lr: float = 1e-4,
     seed: int = 0,
+    compile_backend: str = "inductor",
 ) -> dict[str, Any]:
     """Train ``steps`` timed steps after ``warmup`` untimed ones; return one result row.
 
     The row has tokens_per_s (over the timed steps), peak_gib (``max_memory_allocated`` over the whole
-    run, weights and optimizer states included; None on CPU), loss0 (first step) and loss_last, or
-    ``"oom": True`` when the GPU ran out of memory. Patching reaches beyond the model (RoPE is a
-    module-level function of transformers): for any mode but ``"hf"``, call this in a fresh process
-    (:func:`run_isolated`).
+    run, weights and optimizer states included; None on CPU), losses (every step, warm-up ones first,
+    5 digits), loss0 (first step) and loss_last, compile_s (wall time of the first warm-up step: where
+    torch.compile traces and generates code in a ``+compile`` mode, and Triton compiles the kernels it
+    launches; None without warm-up), or ``"oom": True`` when the GPU ran out of memory.
+
+    A ``+compile`` mode always has at least one warm-up step, so compilation is never timed; its row
+    also says how many graphs were compiled (``graphs``), how many of them during the timed steps
+    (``timed_compiles``: a recompile there would make tokens/s wrong) and the graph breaks.
+    ``compile_backend`` is torch.compile's backend (``"aot_eager"`` skips code generation).
+
+    Patching reaches beyond the model (RoPE is a module-level function of transformers): for any mode
+    but ``"hf"``, call this in a fresh process (:func:`run_isolated`).
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps {steps}, warmup {warmup}: expected steps >= 1 and warmup >= 0")
+    if mode not in MODES:
+        raise ValueError(f"mode is {mode!r}: expected one of {MODES}")
+    compiled = is_compiled(mode)
+    if compiled:
+        warmup = max(warmup, 1)
     dtype = dtype or default_dtype()
-    info = {"dtype": str(dtype).removeprefix("torch."), "steps": steps, "timer": timer_label()}
+    info: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "steps": steps, "warmup": warmup,
+                            "timer": timer_label()}  # fmt: skip
+    if compiled:
+        info["compile_backend"] = compile_backend
+    compile_s = None
     try:
         model = build_model(config, dtype=dtype, seed=seed)
-        apply_mode(model, mode)
+        apply_mode(model, mode, compile_backend=compile_backend)
         optimizer = _optimizer(model, lr)
         tokens = _batch(config, batch, seq, seed)
         _reset_peak()
-        losses = [_step(model, optimizer, tokens) for _ in range(warmup)]
+        losses = []
+        for index in range(warmup):
+            start = time.perf_counter()
+            losses.append(_step(model, optimizer, tokens))
+            runtime.synchronize()
+            if index == 0:
+                compile_s = time.perf_counter() - start
+        before = _compile_counts() if compiled else {}
         runtime.synchronize()
         start = time.perf_counter()
         losses += [_step(model, optimizer, tokens) for _ in range(steps)]
@@ -282,9 +361,15 @@ def train(
         elapsed = time.perf_counter() - start
     except torch.cuda.OutOfMemoryError:
         return _row(mode, config, batch, seq, oom=True, **info)
+    if compiled:
+        after = _compile_counts()
+        info.update(graphs=after["graphs"], timed_compiles=after["graphs"] - before["graphs"],
+                    graph_breaks=after["graph_breaks"])  # fmt: skip
+    curve = [round(loss, 5) for loss in torch.stack(losses).float().tolist()]
     return _row(
         mode, config, batch, seq, tokens_per_s=round(batch * seq * steps / elapsed, 1), peak_gib=_peak_gib(),
-        loss0=round(losses[0].item(), 4), loss_last=round(losses[-1].item(), 4), **info,
+        loss0=round(curve[0], 4), loss_last=round(curve[-1], 4), losses=curve,
+        compile_s=None if compile_s is None else round(compile_s, 3), **info,
     )  # fmt: skip
 
 
@@ -294,7 +379,13 @@ def timer_label() -> str:
 
 
 def largest_fit(
-    mode: str, config, shapes: Sequence[tuple[int, int]], *, dtype: torch.dtype | None = None, lr: float = 1e-4
+    mode: str,
+    config,
+    shapes: Sequence[tuple[int, int]],
+    *,
+    dtype: torch.dtype | None = None,
+    lr: float = 1e-4,
+    compile_backend: str = "inductor",
 ) -> dict[str, Any]:
     """Try one training step at each (batch, seq), smallest token count first, until one runs out of
     memory. Returns {"fits": [...], "oom_at": [batch, seq] or None, "largest": [batch, seq] or None}.
@@ -303,7 +394,7 @@ def largest_fit(
     CPU there is no memory limit to find: every size "fits", so pass small sizes there.
     """
     model = build_model(config, dtype=dtype or default_dtype())
-    apply_mode(model, mode)
+    apply_mode(model, mode, compile_backend=compile_backend)
     optimizer = _optimizer(model, lr)
     fits: list[dict[str, Any]] = []
     oom_at = None
@@ -358,7 +449,14 @@ def downsample_max(times: list[float], values: list[int], points: int = 2000) ->
 
 
 def memory_timeline(
-    mode: str, config, batch: int, seq: int, *, dtype: torch.dtype | None = None, lr: float = 1e-4
+    mode: str,
+    config,
+    batch: int,
+    seq: int,
+    *,
+    dtype: torch.dtype | None = None,
+    lr: float = 1e-4,
+    compile_backend: str = "inductor",
 ) -> dict[str, Any]:
     """Allocated GPU memory through one training step (after a warm-up step made the optimizer states),
     from the caching allocator's history. On CPU there is no allocator history: returns an empty
@@ -367,7 +465,7 @@ def memory_timeline(
         return {"op": "e2e_timeline", "impl": mode, "t_ms": [], "allocated_gib": [],
                 "note": "memory timelines need a CUDA GPU"}  # fmt: skip
     model = build_model(config, dtype=dtype or default_dtype())
-    apply_mode(model, mode)
+    apply_mode(model, mode, compile_backend=compile_backend)
     optimizer = _optimizer(model, lr)
     tokens = _batch(config, batch, seq, 0)
     try:
@@ -401,6 +499,7 @@ def run_isolated(
     dtype: str | None = None,
     lr: float = 1e-4,
     shapes: Sequence[tuple[int, int]] = (),
+    compile_backend: str | None = None,
     timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Run :func:`train` (task "train"), :func:`largest_fit` ("fit") or :func:`memory_timeline`
@@ -416,6 +515,8 @@ def run_isolated(
         args += ["--dtype", dtype]
     if shapes:
         args += ["--shapes", ",".join(f"{b}x{t}" for b, t in shapes)]
+    if compile_backend is not None:
+        args += ["--compile-backend", compile_backend]
     done = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -443,23 +544,161 @@ def parse_shape(text: str) -> tuple[int, int]:
     return sizes
 
 
+RUN_HEADER = (
+    f"{'mode':<18}{'batch x seq':>12}{'tokens/s':>11}{'vs hf':>7}{'peak GiB':>10}{'1st step s':>12}{'loss0':>9}"
+    f"{'loss last':>11}"
+)
+
+
+def error_summary(error: str) -> str:
+    """The line of a child's traceback that names the exception (the last line may be advice, as after a
+    torch.compile failure), at most 80 characters."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()] or ["?"]
+    named = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt)\b", line)]
+    return (named or lines)[-1][:80]
+
+
+def format_run(row: dict[str, Any], rows: Sequence[dict[str, Any]] = ()) -> str:
+    """One line of :func:`format_runs`; the ratio to "hf" comes from the "hf" row of the same size in
+    ``rows`` (none when it is not there yet)."""
+    shape = f"{row['batch']}x{row['seq']}"
+    if row.get("oom") or row.get("error"):
+        problem = "out of memory" if row.get("oom") else "error: " + error_summary(row["error"])
+        return f"{row['impl']:<18}{shape:>12}  {problem}"
+    size = (row["batch"], row["seq"])
+    hf = next((h for h in rows if h.get("impl") == "hf" and (h.get("batch"), h.get("seq")) == size), {})
+    ratio = f"{row['tokens_per_s'] / hf['tokens_per_s']:.2f}x" if hf.get("tokens_per_s") else ""
+    peak = "n/a" if row.get("peak_gib") is None else f"{row['peak_gib']:.1f}"
+    first = "" if row.get("compile_s") is None else f"{row['compile_s']:.2f}"
+    return (
+        f"{row['impl']:<18}{shape:>12}{row['tokens_per_s']:>11.0f}{ratio:>7}{peak:>10}{first:>12}"
+        f"{row['loss0']:>9.4f}{row['loss_last']:>11.4f}"
+    )
+
+
 def format_runs(rows: Sequence[dict[str, Any]]) -> str:
-    """A table of training rows: tokens/s (and the ratio to "hf" at the same size), peak GiB, losses."""
-    header = f"{'mode':<11}{'batch x seq':>12}{'tokens/s':>11}{'vs hf':>7}{'peak GiB':>10}{'loss0':>9}{'loss last':>11}"
-    lines = [header]
-    for r in rows:
-        shape = f"{r['batch']}x{r['seq']}"
-        if r.get("oom") or r.get("error"):
-            problem = "out of memory" if r.get("oom") else "error: " + r["error"].splitlines()[-1][:80]
-            lines.append(f"{r['impl']:<11}{shape:>12}  {problem}")
-            continue
-        hf = next((h for h in rows if h["impl"] == "hf" and (h["batch"], h["seq"]) == (r["batch"], r["seq"])), {})
-        ratio = f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x" if hf.get("tokens_per_s") else ""
-        peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        lines.append(
-            f"{r['impl']:<11}{shape:>12}{r['tokens_per_s']:>11.0f}{ratio:>7}{peak:>10}{r['loss0']:>9.4f}"
-            f"{r['loss_last']:>11.4f}"
-        )
+    """A table of training rows: tokens/s (and the ratio to "hf" at the same size), peak GiB, the first
+    step's wall time (torch.compile and Triton compile there), first and last loss."""
+    return "\n".join([RUN_HEADER] + [format_run(r, rows) for r in rows])
+
+
+def format_losses(row: dict[str, Any]) -> str:
+    """The loss curve of one row on one line: warm-up steps, then ``|``, then the timed steps."""
+    label = f"{row.get('impl', '?'):<18}{row.get('batch')}x{row.get('seq')}"
+    losses = row.get("losses")
+    if not losses:
+        why = "out of memory" if row.get("oom") else "the run failed" if row.get("error") else "not recorded"
+        return f"{label}  no losses ({why})"
+    warmup = row.get("warmup", 0)
+    text = " ".join(f"{v:.5f}" for v in losses[:warmup])
+    timed = " ".join(f"{v:.5f}" for v in losses[warmup:])
+    return f"{label}  " + (f"{text} | {timed}" if text else timed)
+
+
+def _find_row(rows: Sequence[dict[str, Any]], mode: str, batch: int | None, seq: int | None) -> dict | None:
+    return next(
+        (r for r in rows if r.get("op") in (None, "e2e") and r.get("impl") == mode
+         and (batch is None or r.get("batch") == batch) and (seq is None or r.get("seq") == seq)),
+        None,
+    )  # fmt: skip
+
+
+def compare_losses(
+    rows: Sequence[dict[str, Any]],
+    reference: str = "liger_lab",
+    other: str = "liger_lab+compile",
+    *,
+    rtol: float = BF16_RTOL,
+    atol: float = 0.0,
+    batch: int | None = None,
+    seq: int | None = None,
+) -> dict[str, Any]:
+    """Whether the loss curves of two modes agree: at every step both ran, ``|other - reference| <= atol +
+    rtol * |reference|``. The default rtol is one bf16 step (2**-7): two bf16 runs whose kernels round
+    differently stay well inside it for a few steps (the reference runs differ by about 1e-4 relative),
+    while a loss that does not move, or moves the wrong way, leaves it within a few steps. For fp32 runs
+    pass a tighter rtol.
+
+    Runs of the same seed see the same weights and batch, so step i of one is step i of the other
+    whatever their warm-up split; steps only one ran are not compared. ``batch``/``seq`` pick the size
+    (default: the first row of each mode). Returns {"reference", "other", "batch", "seq", "agree" (None
+    when a curve is missing), "steps" compared, "max_diff", "worst_step", "rtol", "atol", "detail"}.
+    """
+    ref_row, other_row = _find_row(rows, reference, batch, seq), _find_row(rows, other, batch, seq)
+    result: dict[str, Any] = {"reference": reference, "other": other, "batch": batch, "seq": seq, "agree": None,
+                              "steps": 0, "max_diff": None, "worst_step": None, "rtol": rtol, "atol": atol}  # fmt: skip
+    missing = [m for m, r in ((reference, ref_row), (other, other_row)) if not (r and r.get("losses"))]
+    if missing:
+        result["detail"] = "no loss curve for " + " and ".join(missing)
+        return result
+    result["batch"], result["seq"] = ref_row["batch"], ref_row["seq"]
+    ref, oth = ref_row["losses"], other_row["losses"]
+    steps = min(len(ref), len(oth))
+    diffs = [abs(o - r) for r, o in zip(ref[:steps], oth[:steps], strict=True)]
+    worst = max(range(steps), key=lambda i: diffs[i] - (atol + rtol * abs(ref[i])))
+    bad = [i for i in range(steps) if not diffs[i] <= atol + rtol * abs(ref[i])]
+    result.update(agree=not bad, steps=steps, max_diff=round(max(diffs), 6), worst_step=worst)
+    if bad:
+        first = bad[0]
+        result["detail"] = (f"differ from step {first}: {oth[first]:.5f} against {ref[first]:.5f} (allowed "
+                            f"{atol + rtol * abs(ref[first]):.2g}); {len(bad)} of {steps} steps outside")  # fmt: skip
+    else:
+        result["detail"] = (f"{steps} steps within rtol {rtol:.2g}: largest difference {max(diffs):.2g} "
+                            f"(step {worst})")  # fmt: skip
+    return result
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    """One line: the verdict of :func:`compare_losses`."""
+    verdict = {True: "agree", False: "DISAGREE", None: "not compared"}[result["agree"]]
+    size = f" at {result['batch']}x{result['seq']}" if result.get("batch") is not None else ""
+    return f"losses {result['other']} vs {result['reference']}{size}: {verdict} ({result['detail']})"
+
+
+# The targets of the compiled patched model, each (metric, comparison, reference mode, factor):
+# compiled liger_lab at least as fast as eager liger_lab, 1.12x compiled Hugging Face, no more memory.
+TARGET_MODE = "liger_lab+compile"
+TARGETS = (
+    ("tokens_per_s", ">=", "liger_lab", 1.0),
+    ("tokens_per_s", ">=", "hf+compile", 1.12),
+    ("peak_gib", "<=", "liger_lab", 1.0),
+)
+
+
+def check_targets(
+    rows: Sequence[dict[str, Any]], *, batch: int | None = None, seq: int | None = None, rtol: float = BF16_RTOL
+) -> list[dict[str, Any]]:
+    """The targets of ``liger_lab+compile``: its loss curve agrees with eager liger_lab's (a fast run
+    that does not train counts for nothing), its tokens/s are >= eager liger_lab's and >= 1.12x
+    hf+compile's, and its peak memory is <= eager liger_lab's. One dict per target: {"target", "value",
+    "bound", "met"}; met is None when a row or a number is missing (peak memory on CPU, a failed run).
+    """
+    losses = compare_losses(rows, "liger_lab", TARGET_MODE, rtol=rtol, batch=batch, seq=seq)
+    results = [{"target": "loss curve agrees with liger_lab", "value": losses["max_diff"], "bound": None,
+                "met": losses["agree"], "detail": losses["detail"]}]  # fmt: skip
+    ours = _find_row(rows, TARGET_MODE, batch, seq) or {}
+    for metric, comparison, reference, factor in TARGETS:
+        other = _find_row(rows, reference, batch, seq) or {}
+        value, base = ours.get(metric), other.get(metric)
+        bound = None if base is None else base * factor
+        met = None if value is None or bound is None else (value >= bound if comparison == ">=" else value <= bound)
+        name = "tokens/s" if metric == "tokens_per_s" else "peak GiB"
+        scale = f"{factor:g}x " if factor != 1 else ""
+        results.append({"target": f"{name} {comparison} {scale}{reference}", "value": value, "bound": bound,
+                        "met": met})  # fmt: skip
+    return results
+
+
+def format_targets(results: Sequence[dict[str, Any]]) -> str:
+    """The targets of :func:`check_targets`, one line each: value, bound, met / MISSED / n/a."""
+    lines = []
+    for r in results:
+        verdict = {True: "met", False: "MISSED", None: "n/a"}[r["met"]]
+        if r["value"] is None or r["bound"] is None:
+            numbers = r.get("detail") or "(no number to compare)"
+        else:
+            numbers = f"{r['value']:,.1f} against {r['bound']:,.1f}"
+        lines.append(f"  {r['target']:<34}{verdict:>7}   {numbers}")
     return "\n".join(lines)
 
 
@@ -526,17 +765,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES))
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--shapes", default="", help="comma-separated BATCHxSEQ sizes for the fit task")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the +compile modes")
     args = parser.parse_args(argv)
     config = llama_config(args.model, layers=args.layers)
-    dtype = DTYPES[args.dtype] if args.dtype else None
+    common = dict(dtype=DTYPES[args.dtype] if args.dtype else None, lr=args.lr, compile_backend=args.compile_backend)
     if args.task == "train":
-        row = train(args.mode, config, args.batch, args.seq, steps=args.steps, warmup=args.warmup, dtype=dtype,
-                    lr=args.lr)  # fmt: skip
+        row = train(args.mode, config, args.batch, args.seq, steps=args.steps, warmup=args.warmup, **common)
     elif args.task == "fit":
         shapes = [parse_shape(s) for s in args.shapes.split(",") if s] or [(args.batch, args.seq)]
-        row = largest_fit(args.mode, config, shapes, dtype=dtype, lr=args.lr)
+        row = largest_fit(args.mode, config, shapes, **common)
     else:
-        row = memory_timeline(args.mode, config, args.batch, args.seq, dtype=dtype, lr=args.lr)
+        row = memory_timeline(args.mode, config, args.batch, args.seq, **common)
     print(json.dumps(row))
 
 

@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -201,3 +202,153 @@ def test_patched_model_trains_like_the_eager_one(tiny):
     assert patched["loss0"] == pytest.approx(eager["loss0"], abs=runtime.pick(cpu=1e-3, gpu=2e-2))
     assert patched["loss_last"] == pytest.approx(eager["loss_last"], abs=runtime.pick(cpu=1e-2, gpu=5e-2))
     assert patched["tokens_per_s"] > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile modes, loss curves, targets
+
+
+def _curve_row(impl, losses, *, batch=8, seq=2048, warmup=2, **fields):
+    return {"op": "e2e", "impl": impl, "batch": batch, "seq": seq, "warmup": warmup, "losses": losses,
+            "loss0": losses[0], "loss_last": losses[-1], **fields}  # fmt: skip
+
+
+def test_compile_modes_are_listed_after_their_eager_modes():
+    assert {"hf+compile", "liger_lab+compile"} <= set(e2e.MODES)
+    modes = e2e.available_modes()
+    if not e2e.compile_available():
+        pytest.skip("torch.compile cannot run here")
+    assert "hf+compile" in modes
+    assert ("liger_lab+compile" in modes) == ("liger_lab" in modes)
+    assert all(modes.index(e2e.base_mode(m)) < modes.index(m) for m in modes if e2e.is_compiled(m))
+
+
+def test_apply_mode_compiles_the_model_in_place(tiny):
+    model = e2e.build_model(tiny)
+    parameters = list(model.parameters())
+    assert e2e.apply_mode(model, "hf+compile", compile_backend="eager") is model
+    assert model._compiled_call_impl is not None  # model(...) now runs the compiled forward
+    assert list(model.parameters()) == parameters  # the optimizer keeps training the same tensors
+
+
+def test_loss_curves_that_agree_and_one_that_does_not_move():
+    # The reference H200 run (anchors/h200-e2e-compile-2026-11-30.jsonl): hf 12.1574 -> 11.5362 in 7 steps;
+    # liger_lab + torch.compile stayed at 12.1574.
+    falling = [12.1574, 12.06, 11.95, 11.84, 11.74, 11.64, 11.5362]
+    rows = [
+        _curve_row("liger_lab", falling),
+        _curve_row("liger_lab+compile", [v * (1 + 2e-4) for v in falling]),
+        _curve_row("hf+compile", [12.1574] * 7),
+    ]
+    agree = e2e.compare_losses(rows, "liger_lab", "liger_lab+compile")
+    assert agree["agree"] is True and agree["steps"] == 7 and (agree["batch"], agree["seq"]) == (8, 2048)
+    flat = e2e.compare_losses(rows, "liger_lab", "hf+compile")
+    assert flat["agree"] is False and "differ from step 1" in flat["detail"]
+    assert "DISAGREE" in e2e.format_comparison(flat)
+    # a tighter tolerance turns bf16-sized differences into a disagreement
+    assert e2e.compare_losses(rows, "liger_lab", "liger_lab+compile", rtol=1e-5)["agree"] is False
+
+
+def test_loss_curves_compare_the_steps_both_ran_at_the_same_size():
+    rows = [
+        _curve_row("hf", [7.0, 6.5], warmup=0, batch=2, seq=16),
+        _curve_row("hf+compile", [7.0, 6.5, 6.1], warmup=1, batch=2, seq=16),
+        _curve_row("hf+compile", [9.0, 9.0, 9.0], batch=4, seq=16),
+    ]
+    result = e2e.compare_losses(rows, "hf", "hf+compile", rtol=1e-6, batch=2, seq=16)
+    assert result["agree"] is True and result["steps"] == 2
+    missing = e2e.compare_losses(rows + [{"op": "e2e", "impl": "liger_lab", "batch": 2, "seq": 16, "error": "x"}])
+    assert missing["agree"] is None and "no loss curve for liger_lab and liger_lab+compile" in missing["detail"]
+
+
+def test_targets_of_the_compiled_patched_model():
+    falling = [12.16, 12.0, 11.8]
+    rows = [
+        _curve_row("liger_lab", falling, tokens_per_s=68010.0, peak_gib=27.82),
+        _curve_row("hf+compile", falling, tokens_per_s=59758.0, peak_gib=41.89),
+        _curve_row("liger_lab+compile", falling, tokens_per_s=68500.0, peak_gib=31.37),
+    ]
+    results = e2e.check_targets(rows)
+    assert [r["met"] for r in results] == [True, True, True, False]
+    assert results[2]["bound"] == pytest.approx(1.12 * 59758.0) and "1.12x hf+compile" in results[2]["target"]
+    table = e2e.format_targets(results)
+    assert "MISSED" in table and "31.4 against 27.8" in table
+    # no peak on CPU, no compiled row: nothing to compare rather than a verdict
+    rows[2].update(peak_gib=None)
+    assert e2e.check_targets(rows)[3]["met"] is None
+    assert all(r["met"] is None for r in e2e.check_targets(rows[:2]))
+
+
+def test_failed_compile_run_names_the_exception_not_the_advice():
+    error = (
+        "Traceback (most recent call last):\n  ...\ntorch._dynamo.exc.BackendCompilerFailed: backend='inductor' "
+        "raised:\nAssertionError: Node getitem_23 was invalid, but is output\n\nSet TORCHDYNAMO_VERBOSE=1 for "
+        "the internal stack trace"
+    )
+    line = e2e.format_run({"impl": "liger_lab+compile", "batch": 2, "seq": 16, "error": error})
+    assert line.endswith("error: AssertionError: Node getitem_23 was invalid, but is output")
+    assert "no losses (the run failed)" in e2e.format_losses({"impl": "x", "batch": 2, "seq": 16, "error": error})
+
+
+needs_compile = pytest.mark.skipif(not e2e.compile_available(), reason="torch.compile cannot run here")
+
+
+@needs_compile
+def test_hf_compile_trains_like_eager_hf_and_times_no_compilation(tiny):
+    # The default backend (inductor: C++ on CPU) in a fresh process, against eager in this one.
+    eager = e2e.train("hf", tiny, 2, 16, steps=3, warmup=1, lr=1e-3)
+    compiled = e2e.run_isolated("train", mode="hf+compile", model="tiny", batch=2, seq=16, steps=3, warmup=0, lr=1e-3)
+    assert "error" not in compiled, compiled.get("error")
+    assert compiled["warmup"] == 1  # compilation always gets a warm-up step of its own
+    assert compiled["compile_backend"] == "inductor" and compiled["compile_s"] > 0
+    assert compiled["graphs"] >= 1 and compiled["timed_compiles"] == 0 and compiled["graph_breaks"] == 0
+    assert len(compiled["losses"]) == len(eager["losses"]) == 4
+    assert all(round(v, 5) == v for v in compiled["losses"])
+    # fp32 on CPU: the compiled graph computes the same losses up to reassociation
+    verdict = e2e.compare_losses([eager, compiled], "hf", "hf+compile", rtol=runtime.pick(cpu=1e-4, gpu=e2e.BF16_RTOL))
+    assert verdict["agree"] is True, verdict["detail"]
+    losses = compiled["losses"]
+    # it learns the batch, step after step
+    assert all(b < a for a, b in zip(losses[:-1], losses[1:], strict=True)), losses
+    assert compiled["loss0"] == pytest.approx(math.log(tiny.vocab_size), abs=0.5)
+
+
+@needs_compile
+def test_bench_e2e_prints_each_run_the_loss_curves_and_the_verdict(tmp_path):
+    from click.testing import CliRunner
+
+    from liger_lab import cli
+
+    json_path = tmp_path / "e2e.json"
+    args = ["bench", "e2e", "--mode", "hf", "--mode", "hf+compile", "--model", "tiny", "--batch", "2", "--seq", "16",
+            "--steps", "2", "--warmup", "1", "--compile-backend", "aot_eager", "--json", str(json_path)]  # fmt: skip
+    result = CliRunner().invoke(cli.main, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(json_path.read_text())
+    assert [r["impl"] for r in rows] == ["hf", "hf+compile"]
+    assert all(len(r["losses"]) == 3 for r in rows) and rows[1]["compile_backend"] == "aot_eager"
+    for row in rows:
+        assert e2e.format_run(row, rows) in result.output
+        assert e2e.format_losses(row) in result.output and " | " in e2e.format_losses(row)
+    assert "losses hf+compile vs hf at 2x16: agree" in result.output
+    assert "targets of" not in result.output  # only when liger_lab+compile ran
+
+
+@needs_compile
+@pytest.mark.skipif(not hasattr(liger_lab, "patch"), reason="liger_lab.patch is not in this install")
+@pytest.mark.xfail(
+    strict=False,
+    reason="the patched model does not compile cleanly yet: before the kernels were torch.library custom ops "
+    "Dynamo traced into the Triton launcher; with them, the patched loss forward (patching.py) breaks the graph",
+)
+def test_liger_lab_compile_trains_like_eager_liger_lab():
+    run = dict(model="tiny", batch=2, seq=16, steps=2, warmup=1, lr=1e-3)
+    eager = e2e.run_isolated("train", mode="liger_lab", **run)
+    compiled = e2e.run_isolated("train", mode="liger_lab+compile", compile_backend="aot_eager", **run)
+    assert "error" not in eager, eager.get("error")
+    assert "error" not in compiled, e2e.error_summary(compiled["error"])
+    verdict = e2e.compare_losses([eager, compiled], rtol=runtime.pick(cpu=1e-4, gpu=e2e.BF16_RTOL))
+    assert verdict["agree"] is True, verdict["detail"]
+    assert compiled["losses"][-1] < compiled["losses"][0]
+    assert compiled["timed_compiles"] == 0
+    assert compiled["graph_breaks"] == 0  # every op is a custom operator: one graph for the whole model
