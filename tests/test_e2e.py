@@ -336,11 +336,6 @@ def test_bench_e2e_prints_each_run_the_loss_curves_and_the_verdict(tmp_path):
 
 @needs_compile
 @pytest.mark.skipif(not hasattr(liger_lab, "patch"), reason="liger_lab.patch is not in this install")
-@pytest.mark.xfail(
-    strict=False,
-    reason="the patched model does not compile cleanly yet: before the kernels were torch.library custom ops "
-    "Dynamo traced into the Triton launcher; with them, the patched loss forward (patching.py) breaks the graph",
-)
 def test_liger_lab_compile_trains_like_eager_liger_lab():
     run = dict(model="tiny", batch=2, seq=16, steps=2, warmup=1, lr=1e-3)
     eager = e2e.run_isolated("train", mode="liger_lab", **run)
