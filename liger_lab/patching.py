@@ -231,10 +231,15 @@ def _fused_rotary_pos_emb(
     return torch.cat([q_rot, q[..., rotary_dim:]], dim=-1), torch.cat([k_rot, k[..., rotary_dim:]], dim=-1)
 
 
-class _FusedRope:
-    """How many forwards of fused attentions are running: the rope dispatcher's switch."""
+class _FusedRopeDepth:
+    """How many forwards of fused attentions are running: the rope dispatcher's switch. An instance, not a
+    class attribute: torch.compile traces a change to an object's attribute but not to a class's."""
 
-    depth = 0
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_FusedRope = _FusedRopeDepth()
 
 
 def _attention_class(modeling: types.ModuleType, original: type) -> type:
