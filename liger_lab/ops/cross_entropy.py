@@ -325,9 +325,13 @@ def _cross_entropy(
         logits, flat_target, loss, options, grad=grad, counts=counts, divide_by_count=mean_in_kernel
     )  # fmt: skip
     n_valid = kept_count(read_counts(), n_classes, options.ignore_index)
-    owed = 1.0 / max(n_valid, 1) if mean and not mean_in_kernel else 1.0
     total = reduce_loss(loss, options.reduction, n_valid, torch.float32, target.shape)
-    return total, torch.tensor(owed, dtype=torch.float32, device=logits.device)
+    # Made on the device from the count, not copied from a host float: a copy from pageable host memory
+    # waits for the kernel above, and the GPU would then idle while the host launches the rest.
+    owed = torch.ones((), dtype=torch.float32, device=logits.device)
+    if mean and not mean_in_kernel:
+        owed = owed / counts[0].clamp(min=1)
+    return total, owed
 
 
 def _loss_like(logits: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
