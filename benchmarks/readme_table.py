@@ -1,7 +1,9 @@
 """Regenerate the benchmark table in README.md from committed result JSON.
 
-``python benchmarks/readme_table.py benchmarks/results/h200-ops.json [--e2e FILE]`` rewrites the part of
-README.md between ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
+``python benchmarks/readme_table.py OPS_JSON [OPS_JSON ...] [--e2e FILE]`` rewrites the part of README.md
+between ``<!-- bench:start -->`` and ``<!-- bench:end -->``. A row of a later ops file replaces the row of
+the same op and implementation in an earlier one. The ``liger_lab`` column is the public call with no
+options; an opt-in variant (``liger_lab:in_place_backward``) is a row of its own under its op.
 """
 
 from __future__ import annotations
@@ -31,10 +33,18 @@ def ops_table(all_rows: list[dict]) -> str:
     lines.append("|---" * (len(impls) + 2) + "|")
     for op in ops:
         by_impl = {r["impl"]: r for r in rows if r["op"] == op}
-        ratio = ""
-        if "liger_lab" in by_impl and "liger" in by_impl:
-            ratio = f"{by_impl['liger_lab']['full_ms'] / by_impl['liger']['full_ms']:.2f}x time"
-        lines.append(f"| {op} | " + " | ".join(_cell(by_impl.get(i)) for i in impls) + f" | {ratio} |")
+        liger = by_impl.get("liger")
+        for ours in ["liger_lab", *sorted(i for i in by_impl if i.startswith("liger_lab:"))]:
+            if ours not in by_impl:
+                continue
+            ratio = f"{by_impl[ours]['full_ms'] / liger['full_ms']:.2f}x time" if liger else ""
+            if ours == "liger_lab":
+                cells = [_cell(by_impl.get(i)) for i in impls]
+                lines.append(f"| {op} | " + " | ".join(cells) + f" | {ratio} |")
+            else:  # a variant: its own row, in the liger_lab column
+                variant = ours.split(":", 1)[1]
+                cells = [_cell(by_impl[ours])] + [""] * (len(impls) - 1)
+                lines.append(f"| {op}, `{variant}=True` | " + " | ".join(cells) + f" | {ratio} |")
     ceilings = {r["op"]: r for r in all_rows if r["op"].startswith("ceiling")}
     if ceilings:
         copy, matmul = ceilings.get("ceiling_copy", {}), ceilings.get("ceiling_matmul_bf16", {})
@@ -67,11 +77,16 @@ def e2e_table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("ops_json", type=Path)
+    parser.add_argument("ops_json", type=Path, nargs="+")
     parser.add_argument("--e2e", type=Path, default=None)
     args = parser.parse_args()
-    text = ops_table(json.loads(args.ops_json.read_text()))
-    text += f"\n\nRaw rows: `{args.ops_json.relative_to(ROOT) if args.ops_json.is_absolute() else args.ops_json}`."
+    rows: dict[tuple, dict] = {}
+    for path in args.ops_json:
+        for row in json.loads(path.read_text()):
+            rows[(row["op"], row.get("impl"), row.get("sweep"), row.get("tokens"), row.get("hidden"))] = row
+    text = ops_table(list(rows.values()))
+    names = ", ".join(f"`{p.relative_to(ROOT) if p.is_absolute() else p}`" for p in args.ops_json)
+    text += f"\n\nRaw rows: {names}."
     if args.e2e:
         text += "\n\nEnd to end (Llama-style 1.5B, AdamW, bf16):\n\n" + e2e_table(json.loads(args.e2e.read_text()))
     readme = ROOT / "README.md"
