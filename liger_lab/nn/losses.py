@@ -14,8 +14,8 @@ class CrossEntropyLoss(nn.Module):
 
     Logits are (..., V) with the classes *last* (the layout of language-model logits; torch's
     (N, C, d1, ...) layout is not accepted beyond N x C), targets (...). Per-class ``weight`` and soft
-    (probability) targets are not supported. Like :func:`liger_lab.cross_entropy`, the forward **writes
-    the gradient over the logits** when they require grad: do not read the logits after the loss.
+    (probability) targets are not supported. ``in_place_backward=True`` (off by default, as in
+    :func:`liger_lab.cross_entropy`) writes the gradient over the logits: then do not read them after the loss.
     """
 
     def __init__(
@@ -26,8 +26,10 @@ class CrossEntropyLoss(nn.Module):
         label_smoothing: float = 0.0,
         softcap: float | None = None,
         z_loss_scale: float = 0.0,
+        in_place_backward: bool = False,
     ) -> None:
         super().__init__()
+        self.in_place_backward = in_place_backward
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
@@ -38,6 +40,7 @@ class CrossEntropyLoss(nn.Module):
         return cross_entropy(
             input, target, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
             reduction=self.reduction, softcap=self.softcap, z_loss_scale=self.z_loss_scale,
+            in_place_backward=self.in_place_backward,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
