@@ -326,12 +326,18 @@ def _causal_lm_forward(original: Callable[..., Any], *, fused: bool, cross_entro
     return forward
 
 
-@functools.cache
+_LOSS_FORWARDS: dict[tuple[str, bool, bool], Callable[..., Any]] = {}
+
+
 def _loss_forward_of(model_type: str, fused: bool, cross_entropy: bool) -> Callable[..., Any]:
-    """The family's ``...ForCausalLM.forward`` wrapped by :func:`_causal_lm_forward` (one per choice)."""
-    family, modeling = _family(model_type), _modeling(model_type)
-    original = _original(_causal_lm(family, modeling), "forward")
-    return _causal_lm_forward(original, fused=fused, cross_entropy=cross_entropy)
+    """The family's ``...ForCausalLM.forward`` wrapped by :func:`_causal_lm_forward` (one per choice). A
+    plain dict, not ``functools.cache``: torch.compile traces a dict lookup, but warns on a cache wrapper."""
+    key = (model_type, fused, cross_entropy)
+    if key not in _LOSS_FORWARDS:
+        family, modeling = _family(model_type), _modeling(model_type)
+        original = _original(_causal_lm(family, modeling), "forward")
+        _LOSS_FORWARDS[key] = _causal_lm_forward(original, fused=fused, cross_entropy=cross_entropy)
+    return _LOSS_FORWARDS[key]
 
 
 def _causal_lm(family: _Family, modeling: types.ModuleType) -> type:
