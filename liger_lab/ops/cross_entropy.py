@@ -295,14 +295,12 @@ def scale_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = 
     return out
 
 
-def reduce_loss(loss: torch.Tensor, reduction: str, n_valid: int, dtype: torch.dtype, shape: torch.Size):
-    """Per-row fp32 losses -> the returned loss, in ``dtype`` (the logits' dtype, like torch)."""
+def reduce_loss(loss: torch.Tensor, reduction: str, n_valid: int, shape: torch.Size) -> torch.Tensor:
+    """Per-row fp32 losses -> the fp32 loss the operators return (the public functions cast it)."""
     if reduction == "none":
-        return loss.to(dtype).view(shape)
+        return loss.view(shape)
     total = loss.sum()
-    if reduction == "mean":
-        total = total / max(n_valid, 1)
-    return total.to(dtype)
+    return total / max(n_valid, 1) if reduction == "mean" else total
 
 
 def _cross_entropy(
@@ -325,7 +323,7 @@ def _cross_entropy(
         logits, flat_target, loss, options, grad=grad, counts=counts, divide_by_count=mean_in_kernel
     )  # fmt: skip
     n_valid = kept_count(read_counts(), n_classes, options.ignore_index)
-    total = reduce_loss(loss, options.reduction, n_valid, torch.float32, target.shape)
+    total = reduce_loss(loss, options.reduction, n_valid, target.shape)
     # Made on the device from the count, not copied from a host float: a copy from pageable host memory
     # waits for the kernel above, and the GPU would then idle while the host launches the rest.
     owed = torch.ones((), dtype=torch.float32, device=logits.device)

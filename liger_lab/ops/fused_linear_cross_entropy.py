@@ -181,7 +181,7 @@ def _forward(
         grads=(*needs, accumulation_dtype(weight, accumulation)) if precompute else None,
         grad_scale=grad_scale, grad_h_over_hidden=grad_h_over_hidden,
     )  # fmt: skip
-    return reduce_loss(loss, options.reduction, n_valid, torch.float32, target.shape), *grads
+    return reduce_loss(loss, options.reduction, n_valid, target.shape), *grads
 
 
 def _chunk(rows: torch.Tensor, weight: torch.Tensor, chunk_tokens: int | None, separate_grad_h: bool) -> int:
