@@ -4,7 +4,7 @@
 available, Triton's interpreter on CPU tensors otherwise.
 """
 
-from liger_lab import runtime
+from liger_lab import exercises, runtime
 from liger_lab.ops.cross_entropy import cross_entropy
 from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_lab.ops.layer_norm import layer_norm
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "apply_rotary_pos_emb",
+    "exercises",
     "layer_norm",
     "rms_norm",
     "rope",

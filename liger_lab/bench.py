@@ -10,6 +10,7 @@ installed). The ops, shapes and peers come from the one table, :data:`liger_lab.
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
 import math
@@ -203,8 +204,9 @@ def plot_ops(results: Sequence[profiling.Result], title: str = ""):
 
 
 def environment() -> dict:
-    """GPU name and versions, recorded with every result row."""
+    """GPU name, versions and the date (UTC), recorded with every result row."""
     info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
         "gpu": torch.cuda.get_device_name() if not runtime.INTERPRET else f"cpu ({platform.processor() or 'unknown'})",
         "torch": torch.__version__,
         "triton": triton.__version__,

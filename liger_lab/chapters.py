@@ -1,9 +1,14 @@
 """Generate the exercise notebooks in ``chapters/`` from the complete ones in ``solutions/``.
 
-In a solution's code cell, the lines between ``# BEGIN SOLUTION`` and ``# END SOLUTION`` are the
-exercise. An optional hint follows the opening marker: ``# BEGIN SOLUTION hint: divide by n_cols``.
-The generated chapter keeps everything else, replaces each region by a stub at the marker's
-indentation, and drops all outputs so the learner starts clean.
+In a solution's code cell, the lines between ``# BEGIN SOLUTION <exercise>: <task>`` and ``# END SOLUTION``
+are (part of) an exercise, for instance ``# BEGIN SOLUTION 1.2: the backward kernel's dx``. The task says
+what to write, never how: hints live in the markdown, collapsed. The generated chapter keeps everything
+else, drops all outputs so the learner starts clean, and replaces each region by a stub at the marker's
+indentation that names its exercise (see :mod:`liger_lab.exercises`):
+
+* in Python code, a call to ``liger_lab.exercises.todo``, which raises ``ExerciseNotDone``;
+* inside a ``@triton.jit`` kernel, which cannot raise, ``pass`` under the stub marker, and the kernel's
+  decorator becomes ``@liger_lab.exercises.jit(...)``, which refuses to launch while the marker is there.
 """
 
 from __future__ import annotations
@@ -12,30 +17,80 @@ import json
 import re
 from pathlib import Path
 
-_BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?:\s+hint:\s*(?P<hint>.*))?$")
+from liger_lab.exercises import STUB_MARKER
+
+_BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?P<rest>.*)$")
+_EXERCISE = re.compile(r"^\s+(?P<exercise>\d+\.\d+):\s*(?P<task>\S.*)$")
 _END = re.compile(r"^\s*# END SOLUTION\s*$")
+_DEF = re.compile(r"^(?P<indent>\s*)def ")
+_TRITON_JIT = re.compile(r"^(?P<indent>\s*)@triton\.jit\s*$")
+
+
+def _quoted(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
 
 
 def stub_source(source: str) -> str:
     """Replace every marked solution region of one cell's source by a stub."""
     out: list[str] = []
     inside = False
+    last_def: tuple[int, int] | None = None  # (indent, index in out) of the latest ``def``
     for line in source.splitlines(keepends=True):
-        begin = _BEGIN.match(line.rstrip("\n"))
-        if begin and not inside:
+        text = line.rstrip("\n")
+        begin = _BEGIN.match(text)
+        if begin:
+            if inside:
+                raise ValueError("# BEGIN SOLUTION inside another solution region")
+            exercise = _EXERCISE.match(begin["rest"])
+            if not exercise:
+                raise ValueError(f"expected '# BEGIN SOLUTION <chapter>.<n>: <task>', got {text.strip()!r}")
             inside = True
-            indent, hint = begin["indent"], begin["hint"] or "see the text above"
-            out.append(f"{indent}# EXERCISE: {hint}\n")
-            out.append(f'{indent}raise NotImplementedError("exercise: {hint.replace(chr(34), chr(39))}")\n')
-        elif _END.match(line.rstrip("\n")):
+            indent, number, task = begin["indent"], exercise["exercise"], exercise["task"].strip()
+            decorator = _enclosing_triton_jit(out, last_def, len(indent))
+            if decorator is not None:
+                jit_indent = _TRITON_JIT.match(out[decorator].rstrip("\n"))["indent"]
+                out[decorator] = f"{jit_indent}@liger_lab.exercises.jit({_quoted(number)}, {_quoted(task)})\n"
+                out.append(f"{indent}# EXERCISE {number}: {task}\n")
+                out.append(f"{indent}# Replace the next line with the kernel's code.\n")
+                out.append(f"{indent}{STUB_MARKER}\n")
+            else:
+                out.append(f"{indent}# EXERCISE {number}: {task}\n")
+                out.append(f"{indent}liger_lab.exercises.todo({_quoted(number)}, {_quoted(task)})\n")
+        elif _END.match(text):
             if not inside:
                 raise ValueError("# END SOLUTION without a matching # BEGIN SOLUTION")
             inside = False
         elif not inside:
+            definition = _DEF.match(text)
+            if definition:
+                last_def = (len(definition["indent"]), len(out))
             out.append(line)
     if inside:
         raise ValueError("# BEGIN SOLUTION without a matching # END SOLUTION")
     return "".join(out)
+
+
+def _enclosing_triton_jit(out: list[str], last_def: tuple[int, int] | None, indent: int) -> int | None:
+    """Index in ``out`` of the ``@triton.jit`` line decorating the function a region at ``indent`` is in."""
+    if last_def is None or last_def[0] >= indent:
+        return None
+    index = last_def[1] - 1
+    while index >= 0 and out[index].lstrip().startswith("@"):
+        if _TRITON_JIT.match(out[index].rstrip("\n")):
+            return index
+        index -= 1
+    return None
+
+
+def exercises_in(source: str) -> dict[str, str]:
+    """``{exercise: task}`` for every solution region of a cell's source, in order."""
+    found: dict[str, str] = {}
+    for line in source.splitlines():
+        begin = _BEGIN.match(line)
+        exercise = begin and _EXERCISE.match(begin["rest"])
+        if exercise:
+            found.setdefault(exercise["exercise"], exercise["task"].strip())
+    return found
 
 
 def exercise_notebook(solution: dict) -> dict:
@@ -56,11 +111,15 @@ def render(notebook: dict) -> str:
     return json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
 
 
-def generate(solutions: Path = Path("solutions"), chapters: Path = Path("chapters")) -> list[Path]:
-    """Write ``chapters/X.ipynb`` for every ``solutions/X.ipynb``; return the paths written."""
+def generate(
+    solutions: Path = Path("solutions"), chapters: Path = Path("chapters"), names: list[str] | None = None
+) -> list[Path]:
+    """Write ``chapters/X.ipynb`` for every ``solutions/X.ipynb`` (or only the ``names`` given)."""
     chapters.mkdir(exist_ok=True)
     written = []
     for source in sorted(solutions.glob("*.ipynb")):
+        if names and source.name not in names:
+            continue
         target = chapters / source.name
         target.write_text(render(exercise_notebook(json.loads(source.read_text()))))
         written.append(target)
@@ -82,11 +141,12 @@ def out_of_date(solutions: Path = Path("solutions"), chapters: Path = Path("chap
 if __name__ == "__main__":
     import sys
 
-    if "--check" in sys.argv:
+    arguments = sys.argv[1:]
+    if "--check" in arguments:
         stale = out_of_date()
         if stale:
             sys.exit(f"chapters/ is out of date for {', '.join(stale)}: run `python -m liger_lab.chapters`")
         print("chapters/ is in sync with solutions/")
     else:
-        for path in generate():
+        for path in generate(names=[Path(a).name for a in arguments] or None):
             print(f"wrote {path}")

@@ -1,6 +1,7 @@
 """Exercise and test checks: compare a kernel with its float64 reference and print one clear line each.
 
-A line reads ``PASS rms_norm: grad x  rel L2 2.1e-08  max |err| 3.0e-07  (tol 1e-05)``. The error figures
+A line reads ``PASS rms_norm: grad x  rel L2 2.1e-08  max |err| 3.0e-07  (tol 1e-05)``; a FAIL line adds
+which test failed, by how much and where. The error figures
 vary between machines; notebooks keep only the PASS/FAIL words and names under nbval (the figures are
 masked by ``tests/nbval_sanitize.cfg``).
 """
@@ -22,6 +23,25 @@ def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
+def _compare(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> tuple[bool, str]:
+    """Whether ``actual`` is within ``tol`` of ``expected``, and the figures that say so (or say why not)."""
+    if actual.shape != expected.shape:
+        return False, f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    finite = bool(torch.isfinite(actual).all())
+    rel = relative_l2_error(actual, expected)
+    max_abs = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    figures = f"rel L2 {rel:.1e}  max |err| {max_abs:.1e}  (tol {tol:.0e})"
+    if not finite:
+        bad = int((~torch.isfinite(actual)).sum())
+        return False, f"{figures}  <- {bad} non-finite value(s)"
+    if rel > tol:
+        worst = tuple(
+            int(i) for i in torch.unravel_index((actual.double() - expected.double()).abs().argmax(), actual.shape)
+        )
+        return False, f"{figures}  <- rel L2 is {rel / tol:.1e} x the tolerance; worst element at {worst}"
+    return True, figures
+
+
 def check_close(
     name: str,
     actual: torch.Tensor,
@@ -32,20 +52,26 @@ def check_close(
 ) -> bool:
     """Print a PASS/FAIL line comparing ``actual`` with ``expected``; return whether it passed.
 
-    ``errors``, when given, receives the relative error measured (for callers that tabulate them)."""
+    The test is the relative L2 error against ``tol`` (by default from :data:`TOLERANCE` for the dtype of
+    ``actual``), and every value must be finite. A FAIL line says which of the two failed and by how much,
+    and where the largest error is. ``errors``, when given, receives the relative error measured."""
     tol = TOLERANCE.get(actual.dtype, 1e-5) if tol is None else tol
-    if actual.shape != expected.shape:
-        print(f"FAIL {name}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
-        return False
-    finite = bool(torch.isfinite(actual).all())
-    rel = relative_l2_error(actual, expected)
-    if errors is not None:
-        errors.append(rel)
-    max_abs = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
-    ok = finite and rel <= tol
-    note = "" if finite else "  (non-finite values)"
-    print(f"{'PASS' if ok else 'FAIL'} {name}  rel L2 {rel:.1e}  max |err| {max_abs:.1e}  (tol {tol:.0e}){note}")
+    ok, figures = _compare(actual, expected, tol)
+    if errors is not None and actual.shape == expected.shape:
+        errors.append(relative_l2_error(actual, expected))
+    print(f"{'PASS' if ok else 'FAIL'} {name}  {figures}")
     return ok
+
+
+def show_bug(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float | None = None) -> bool:
+    """For a deliberately buggy kernel: print ``BUG SHOWN`` when the check catches it, with the figures.
+
+    Returns whether the bug is visible. A bug that this input does not reveal prints ``BUG HIDDEN``: the
+    input is not adversarial enough."""
+    tol = TOLERANCE.get(actual.dtype, 1e-5) if tol is None else tol
+    ok, figures = _compare(actual, expected, tol)
+    print(f"{'BUG HIDDEN' if ok else 'BUG SHOWN'} {name}  {figures}")
+    return not ok
 
 
 def _as_tuple(value) -> tuple:

@@ -2,8 +2,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import triton.language as tl
 
+from liger_lab import exercises, runtime
 from liger_lab.chapters import exercise_notebook, out_of_date, stub_source
+from liger_lab.exercises import STUB_MARKER
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,20 +30,60 @@ def test_committed_chapters_carry_no_outputs():
 
 
 def test_stub_replaces_only_the_marked_region_and_keeps_indentation():
-    source = (
-        "def f(x):\n    y = 1\n    # BEGIN SOLUTION hint: return x plus one\n    return x + y\n    # END SOLUTION\n"
-    )
+    source = "def f(x):\n    y = 1\n    # BEGIN SOLUTION 3.1: return x plus one\n    return x + y\n    # END SOLUTION\n"
     stubbed = stub_source(source)
     assert "return x + y" not in stubbed
-    assert "    # EXERCISE: return x plus one\n" in stubbed
-    assert '    raise NotImplementedError("exercise: return x plus one")\n' in stubbed
+    assert "    # EXERCISE 3.1: return x plus one\n" in stubbed
+    assert '    liger_lab.exercises.todo("3.1", "return x plus one")\n' in stubbed
     assert stubbed.startswith("def f(x):\n    y = 1\n")
 
 
-@pytest.mark.parametrize("source", ["# BEGIN SOLUTION\nx = 1\n", "x = 1\n# END SOLUTION\n"])
-def test_unbalanced_markers_are_errors(source):
+def test_a_stub_inside_a_triton_kernel_compiles_and_names_its_exercise():
+    source = (
+        "@triton.jit\ndef k(x_ptr):\n    i = tl.program_id(0)\n"
+        '    # BEGIN SOLUTION 2.3: store "one"\n    tl.store(x_ptr + i, 1.0)\n    # END SOLUTION\n'
+    )
+    stubbed = stub_source(source)
+    assert stubbed.startswith('@liger_lab.exercises.jit("2.3", "store \\"one\\"")\ndef k(x_ptr):\n')
+    assert "raise" not in stubbed and f"    {STUB_MARKER}\n" in stubbed and "tl.store" not in stubbed
+
+
+def test_python_regions_after_a_kernel_are_not_kernel_stubs():
+    source = (
+        "@triton.jit\ndef k(x_ptr):\n    pass\n\n\ndef launch(x):\n"
+        "    # BEGIN SOLUTION 2.4: launch k\n    k[(1,)](x)\n    # END SOLUTION\n"
+    )
+    stubbed = stub_source(source)
+    assert stubbed.startswith("@triton.jit\n") and 'liger_lab.exercises.todo("2.4", "launch k")' in stubbed
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "# BEGIN SOLUTION 1.1: x\nx = 1\n",
+        "x = 1\n# END SOLUTION\n",
+        "# BEGIN SOLUTION hint: no exercise number\nx = 1\n# END SOLUTION\n",
+    ],
+)
+def test_unbalanced_or_unnumbered_markers_are_errors(source):
     with pytest.raises(ValueError, match="SOLUTION"):
         stub_source(source)
+
+
+def test_unsolved_kernel_raises_on_launch_and_solved_kernel_runs():
+    @exercises.jit("9.9", "write the body")
+    def unsolved(x_ptr):
+        pass  # your code here
+
+    @exercises.jit("9.9", "write the body")
+    def solved(x_ptr):
+        tl.store(x_ptr + tl.program_id(0), 1.0)
+
+    x = torch.zeros(4, device=runtime.DEVICE)
+    with pytest.raises(exercises.ExerciseNotDone, match=r"^Exercise 9\.9 is not done yet: write the body$"):
+        unsolved[(4,)](x)
+    solved[(4,)](x)
+    assert x.tolist() == [1.0] * 4
 
 
 def test_exercise_notebook_drops_outputs():
