@@ -7,6 +7,9 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
+# Where `make workbook` serves JupyterLab: 0.0.0.0 to reach it from other machines (or use an SSH tunnel).
+WORKBOOK_IP ?= 127.0.0.1
+WORKBOOK_PORT ?= 8888
 
 .PHONY: torch test lint chapters workbook
 
@@ -35,4 +38,4 @@ chapters:
 
 workbook: torch
 	$(BIN)/pip install -q -e ".[notebooks]"
-	$(BIN)/jupyter lab chapters/
+	$(BIN)/liger-lab workbook --ip $(WORKBOOK_IP) --port $(WORKBOOK_PORT)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import secrets
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -134,6 +137,7 @@ EXAMPLES = """Examples:
   liger-lab bench e2e --breakdown              train the 1.5B model per mode
   liger-lab bench e2e --batch 16 --seq 4096 --fit 8x2048,16x4096,32x4096
   liger-lab exercises                          regenerate chapters/
+  liger-lab workbook --ip 0.0.0.0 --port 8890  serve chapters/ (prints the URL with its token)
 """
 
 
@@ -372,3 +376,70 @@ def exercises() -> None:
 
     for path in generate():
         click.echo(f"wrote {path}")
+
+
+def jupyter_lab_command(
+    folder: Path, *, ip: str, port: int, token: str, open_browser: bool, as_root: bool
+) -> list[str]:
+    """The JupyterLab command line for the workbook: a fixed port (fail rather than drift, so the printed
+    URL stays right), our token, no browser where there is no display, and ``--allow-root`` for root."""
+    command = [
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        str(folder),
+        f"--ServerApp.ip={ip}",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+    ]
+    if not open_browser:
+        command.append("--no-browser")
+    if as_root:
+        command.append("--allow-root")
+    return command
+
+
+def workbook_urls(ip: str, port: int, token: str) -> list[str]:
+    """Where to point a browser; a server listening on every address is reached through this host's name."""
+    hosts = [socket.gethostname(), "127.0.0.1"] if ip in ("0.0.0.0", "::", "") else [ip]
+    return [f"http://{host}:{port}/lab?token={token}" for host in hosts]
+
+
+@main.command(short_help="Open the workbook (chapters/) in JupyterLab, as root and headless too.")
+@click.option("--ip", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
+@click.option("--port", default=8888, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on.")
+@click.option(
+    "--browser/--no-browser",
+    default=None,
+    help="Open a browser (default: only when a display is available).",
+)
+@click.option(
+    "--folder",
+    default=Path("chapters"),
+    show_default=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Folder to open.",
+)
+def workbook(ip: str, port: int, browser: bool | None, folder: Path) -> None:
+    """Start JupyterLab on the exercise chapters and print the URL to open, with its token.
+
+    Works as root (containers, cloud GPU images) and on a machine without a display (a remote GPU: forward
+    the port, e.g. ``ssh -L 8888:localhost:8888 gpu-host``, then open the printed 127.0.0.1 URL)."""
+    token = secrets.token_hex(24)
+    has_display = bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")) or sys.platform == "darwin"
+    command = jupyter_lab_command(
+        folder,
+        ip=ip,
+        port=port,
+        token=token,
+        open_browser=has_display if browser is None else browser,
+        as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+    )
+    click.echo("The workbook will be served at:")
+    for url in workbook_urls(ip, port, token):
+        click.echo(f"    {url}")
+    click.echo("(Ctrl-C twice stops the server.)", err=True)
+    sys.stdout.flush()
+    os.execv(command[0], command)

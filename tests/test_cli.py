@@ -168,3 +168,41 @@ def test_benchmark_script_runs_at_tiny_sizes(tmp_path):
     }
     assert len(script.winners(sweep)) == len(hiddens) * len(token_counts)
     assert (tmp_path / "t-ops.png").exists() and (tmp_path / "t-norms.png").exists()
+
+
+def _workbook_launch(monkeypatch, tmp_path, args, *, euid, display):
+    launched = {}
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: launched.update(path=path, argv=argv))
+    monkeypatch.setattr(cli.os, "geteuid", lambda: euid)
+    monkeypatch.setattr(cli.sys, "platform", "linux")
+    for name in ("DISPLAY", "WAYLAND_DISPLAY"):
+        monkeypatch.delenv(name, raising=False)
+    if display:
+        monkeypatch.setenv("DISPLAY", ":0")
+    result = CliRunner().invoke(cli.main, ["workbook", "--folder", str(tmp_path), *args])
+    assert result.exit_code == 0, result.output
+    return launched["argv"], result.output
+
+
+def test_workbook_as_root_without_display_is_headless_and_prints_its_url(monkeypatch, tmp_path):
+    argv, output = _workbook_launch(monkeypatch, tmp_path, ["--ip", "0.0.0.0", "--port", "8890"], euid=0, display=False)
+    assert argv[1:5] == ["-m", "jupyter", "lab", str(tmp_path)]
+    assert {"--allow-root", "--no-browser", "--ServerApp.ip=0.0.0.0", "--ServerApp.port=8890"} <= set(argv)
+    assert "--ServerApp.port_retries=0" in argv
+    (token_option,) = [a for a in argv if a.startswith("--IdentityProvider.token=")]
+    token = token_option.split("=", 1)[1]
+    assert len(token) >= 32
+    assert f"http://127.0.0.1:8890/lab?token={token}" in output
+
+
+def test_workbook_as_a_user_with_a_display_opens_a_browser(monkeypatch, tmp_path):
+    argv, output = _workbook_launch(monkeypatch, tmp_path, [], euid=1000, display=True)
+    assert "--allow-root" not in argv and "--no-browser" not in argv
+    assert "--ServerApp.ip=127.0.0.1" in argv and "--ServerApp.port=8888" in argv
+    assert "http://127.0.0.1:8888/lab?token=" in output
+
+
+def test_workbook_rejects_a_bad_port_before_starting(monkeypatch, tmp_path):
+    monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail("must not start"))
+    result = CliRunner().invoke(cli.main, ["workbook", "--folder", str(tmp_path), "--port", "70000"])
+    assert result.exit_code != 0 and "70000" in result.output
