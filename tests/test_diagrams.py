@@ -1,0 +1,65 @@
+import io
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from liger_lab import diagrams  # noqa: E402
+
+
+def _check_draws(fig: Figure) -> None:
+    assert isinstance(fig, Figure)
+    assert fig.axes
+    assert any(ax.texts or ax.lines or ax.patches for ax in fig.axes)
+    fig.savefig(io.BytesIO(), format="png", dpi=40)  # layout and artists only fail when drawn
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("name", sorted(diagrams.ALL))
+def test_every_diagram_draws_with_defaults(name):
+    _check_draws(diagrams.ALL[name]())
+
+
+def test_default_logits_put_the_max_in_the_last_block():
+    block = 4
+    values = diagrams.sample_logits(block)
+    top = max(range(len(values)), key=values.__getitem__)
+    assert top // block == len(values) // block - 1
+    assert diagrams.sample_logits(block) == values  # seeded
+
+
+def test_online_logsumexp_steps_end_at_the_logsumexp():
+    values = diagrams.sample_logits(4)
+    expected = torch.logsumexp(torch.tensor(values, dtype=torch.float64), dim=0).item()
+    m, s = diagrams.online_logsumexp_steps(values, 4)[-1]
+    assert m == max(values)
+    assert m + math.log(s) == pytest.approx(expected, rel=1e-12)
+    # Without the rescale the sum keeps terms scaled to an older, smaller max: too large.
+    m_wrong, s_wrong = diagrams.online_logsumexp_steps(values, 4, rescale=False)[-1]
+    assert m_wrong + math.log(s_wrong) > expected + 0.1
+
+
+def test_online_logsumexp_prints_the_computed_values():
+    values = [0.5, -1.0, 2.0, 0.0, 1.5, 3.0]  # a short last block: two padded cells
+    fig = diagrams.online_logsumexp(values, block=4)
+    row_texts = [t.get_text() for t in fig.axes[0].texts]
+    for m, s in diagrams.online_logsumexp_steps(values, 4):
+        assert f"m = {m:.2f}\ns = {s:.2f}" in row_texts
+    expected = torch.logsumexp(torch.tensor(values, dtype=torch.float64), dim=0).item()
+    assert f"logsumexp(x) = {expected:.2f}" in fig.axes[1].get_legend_handles_labels()[1]
+    _check_draws(fig)
+
+
+def test_memory_timeline_draws_events():
+    fig = diagrams.memory_timeline(events=[("a", 1.0), ("b", 2.0)])
+    assert "schematic" not in fig.get_suptitle()
+    _check_draws(fig)
+    schematic = diagrams.memory_timeline()
+    assert "schematic" in schematic.get_suptitle()
+    plt.close(schematic)
