@@ -47,5 +47,6 @@ def source(name: str, timer: str | None = None) -> str:
         if key in first
     )
     clock = timer or first.get("timer")
+    parts = [first.get("gpu", "unknown GPU"), versions, first.get("date", "undated")]
     clock_text = f"; {TIMERS.get(clock, clock)}" if clock else ""
-    return f"{first.get('gpu', 'unknown GPU')}, {versions}, {first.get('date', 'undated')}{clock_text} ({name})"
+    return f"{', '.join(part for part in parts if part)}{clock_text} ({name})"
