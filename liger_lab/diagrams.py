@@ -1,7 +1,8 @@
 """Teaching diagrams for the notebooks, drawn by code so they stay in step with the library.
 
-Each public function returns a :class:`matplotlib.figure.Figure` built without pyplot (no window, no
-global figure state, safe under the Agg backend) from small keyword parameters, and draws the same picture
+Each public function returns a :class:`Diagram`, a :class:`matplotlib.figure.Figure` built without pyplot
+(no window, no global figure state, safe under the Agg backend) that a notebook displays as a PNG when a
+cell ends with it from small keyword parameters, and draws the same picture
 on every call: how Triton programs tile a tensor, how a persistent grid reduces dW, how RoPE pairs and
 reuses cos/sin, how an online logsumexp rescales its running sum, how the fused linear cross-entropy
 walks its chunks, and where a training step spends its memory. The numbers a diagram prints are computed
@@ -10,6 +11,7 @@ walks its chunks, and where a training step spends its memory. The numbers a dia
 
 from __future__ import annotations
 
+import io
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -36,9 +38,18 @@ def _edge(index: int) -> tuple[float, float, float, float]:
     return _colour(index, alpha=1.0)
 
 
-def _figure(title: str, size: tuple[float, float]) -> Figure:
+class Diagram(Figure):
+    """A pyplot-free figure that shows itself in a notebook as a PNG, whatever matplotlib backend is active."""
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png", dpi=100)
+        return buffer.getvalue()
+
+
+def _figure(title: str, size: tuple[float, float]) -> Diagram:
     """A pyplot-free figure (nothing to close, no window) with constrained layout and a bold title."""
-    fig = Figure(figsize=size, layout="constrained")
+    fig = Diagram(figsize=size, layout="constrained")
     fig.suptitle(title, fontsize=12, fontweight="bold")
     return fig
 

@@ -63,3 +63,8 @@ def test_memory_timeline_draws_events():
     schematic = diagrams.memory_timeline()
     assert "schematic" in schematic.get_suptitle()
     plt.close(schematic)
+
+
+def test_a_diagram_shows_itself_as_png_in_a_notebook():
+    png = diagrams.program_grid()._repr_png_()
+    assert png.startswith(b"\x89PNG")
