@@ -38,7 +38,8 @@ def _compare(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> tuple[
         worst = tuple(
             int(i) for i in torch.unravel_index((actual.double() - expected.double()).abs().argmax(), actual.shape)
         )
-        return False, f"{figures}  <- rel L2 is {rel / tol:.1e} x the tolerance; worst element at {worst}"
+        times = f"{rel / tol:.1e} x the tolerance" if tol > 0 else "above a zero tolerance"
+        return False, f"{figures}  <- rel L2 is {times}; worst element at {worst}"
     return True, figures
 
 
