@@ -7,6 +7,7 @@ available, Triton's interpreter on CPU tensors otherwise.
 from liger_lab import exercises, runtime
 from liger_lab.ops.cross_entropy import cross_entropy
 from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from liger_lab.ops.jsd import jsd
 from liger_lab.ops.layer_norm import layer_norm
 from liger_lab.ops.rms_norm import rms_norm
 from liger_lab.ops.rope import apply_rotary_pos_emb, rope
@@ -29,4 +30,5 @@ __all__ = [
     "unpatch",
     "cross_entropy",
     "fused_linear_cross_entropy",
+    "jsd",
 ]

@@ -101,3 +101,41 @@ def fused_linear_cross_entropy(
         logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction,
         softcap=softcap,
     )  # fmt: skip
+
+
+def jsd(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Generalized Jensen-Shannon divergence of TRL's GKD trainer (``generalized_jsd_loss``).
+
+    P = softmax(teacher / T), Q = softmax(student / T); per row KL(P || Q) for beta == 0, KL(Q || P) for
+    beta == 1, else beta * KL(P || M) + (1 - beta) * KL(Q || M) with M = beta * P + (1 - beta) * Q. The mean
+    over rows whose target is not ``ignore_index`` (every row when ``target`` is None); no T**2 factor.
+    Every row ignored gives 0, with a zero gradient. The teacher is a constant (detached). Math in fp32, or
+    fp64 when either input is fp64; the loss has that dtype (float32 for fp32/fp16/bf16 logits).
+    """
+    compute_dtype = torch.promote_types(torch.promote_types(student_logits.dtype, teacher_logits.dtype), torch.float32)
+    vocab = student_logits.shape[-1]
+    s = student_logits.reshape(-1, vocab).to(compute_dtype) / temperature
+    t = teacher_logits.detach().reshape(-1, vocab).to(compute_dtype) / temperature
+    log_q, log_p = F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1)
+    if beta == 0:
+        d = (log_p.exp() * (log_p - log_q)).sum(-1)
+    elif beta == 1:
+        d = (log_q.exp() * (log_q - log_p)).sum(-1)
+    else:
+        weight = torch.tensor(beta, dtype=compute_dtype, device=s.device)
+        log_m = torch.logaddexp(log_p + weight.log(), log_q + (1 - weight).log())  # log M, never log 0
+        d = beta * (log_p.exp() * (log_p - log_m)).sum(-1) + (1 - beta) * (log_q.exp() * (log_q - log_m)).sum(-1)
+    if target is None:
+        keep = torch.ones_like(d, dtype=torch.bool)
+    else:
+        keep = target.reshape(-1) != ignore_index
+    d = torch.where(keep, d, torch.zeros_like(d))
+    return d.sum() / keep.sum().clamp(min=1)

@@ -1,4 +1,5 @@
-"""Loss modules: ``torch.nn.CrossEntropyLoss`` on liger_lab's kernel, and the fused linear cross-entropy."""
+"""Loss modules: ``torch.nn.CrossEntropyLoss`` on liger_lab's kernel, the fused linear cross-entropy, and the
+generalized JSD of distillation."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from torch import nn
 
 from liger_lab.ops.cross_entropy import cross_entropy
 from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from liger_lab.ops.jsd import jsd
 
 
 class CrossEntropyLoss(nn.Module):
@@ -94,3 +96,30 @@ class FusedLinearCrossEntropyLoss(nn.Module):
             f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, reduction={self.reduction!r}, "
             f"softcap={self.softcap}, accumulation={self.accumulation}, in_place_backward={self.in_place_backward}"
         )
+
+
+class JSD(nn.Module):
+    """The generalized JSD of on-policy distillation (TRL's GKD), :func:`liger_lab.jsd` as a module:
+    ``loss = JSD(beta=0.5, temperature=1.0)(student_logits, teacher_logits, target=None)``.
+
+    Logits (..., V), not log-probabilities (Liger-Kernel's ``LigerJSD`` takes log-probabilities); the
+    loss is a float32 scalar, the mean over rows whose target is not ``ignore_index``, with no ``T**2``
+    factor. Only the student gets a gradient. The module holds no parameters.
+    """
+
+    def __init__(self, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100) -> None:
+        super().__init__()
+        self.beta = beta
+        self.temperature = temperature
+        self.ignore_index = ignore_index
+
+    def forward(
+        self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, target: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return jsd(
+            student_logits, teacher_logits, target, beta=self.beta, temperature=self.temperature,
+            ignore_index=self.ignore_index,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, temperature={self.temperature}, ignore_index={self.ignore_index}"

@@ -119,6 +119,13 @@ def _flce_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
     return [_randn((n_tokens, hidden), dtype), _randn((vocab, hidden), dtype, hidden**-0.5), _targets(n_tokens, vocab)]
 
 
+def _jsd_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
+    """Student logits (requiring grad), teacher logits (a constant: it gets no gradient), labels."""
+    n_tokens, vocab = shape
+    teacher = (2.0 * torch.randn(shape, device=runtime.DEVICE)).to(dtype)
+    return [_randn(shape, dtype, scale=2.0), teacher, _targets(n_tokens, vocab)]
+
+
 _NORM = dict(bench_shape=(16384, 4096), quick_shape=(4096, 4096), check_shapes=((3, 37, 96), (4, 1024, 4096)))
 _GLU = dict(bench_shape=(16384, 14336), quick_shape=(4096, 14336), check_shapes=((3, 33, 160), (2048, 14336)))
 _IN_PLACE = {"in_place_backward": {"in_place_backward": True}}
@@ -172,6 +179,19 @@ OPS: dict[str, OpSpec] = {
             elements=lambda s: s[0] * s[2], flops=lambda s: 6.0 * s[0] * s[1] * s[2],
             variants=_IN_PLACE, liger=("liger_fused_linear_cross_entropy", {}), graph_timing=False,
             registered_autograd=False,
+        ),
+        OpSpec(
+            "jsd", _jsd_inputs, ("student_logits", "teacher_logits", "target"), ("student_logits",),
+            # Few rows and columns in the interpreter: each gradient entry is (Q - P) / T / (kept rows), and with
+            # many rows in fp16 most entries fall below fp16's normal range, where rounding alone exceeds the
+            # fp16 tolerance of `liger-lab check` (tests/test_jsd.py covers larger shapes).
+            bench_shape=(8192, 128256), quick_shape=(2048, 128256), check_shapes=((9, 130), (2048, 128256)),
+            operators=("jsd", "scale_rows_"),
+            # Fewest bytes: read student and teacher once (the loss); also write the student's gradient.
+            fwd_passes=2, full_passes=3, registered_autograd=False,
+            # No peer: Liger-Kernel's liger_jsd takes log-probabilities (log_softmax done by the caller) and
+            # has no temperature, so it is another function of these inputs, not the same loss.
+            liger=None,
         ),
     )
 }  # fmt: skip

@@ -1,0 +1,427 @@
+r"""Generalized Jensen-Shannon divergence between a student's and a teacher's logits (on-policy distillation).
+
+The divergence of TRL's GKD trainer (``generalized_jsd_loss``). For one row, with temperature :math:`T`,
+``s = student / T`` and ``t = teacher / T``::
+
+    Q = softmax(s)   (student)        P = softmax(t)   (teacher)
+    beta == 0:   d = KL(P || Q)                                     forward KL
+    beta == 1:   d = KL(Q || P)                                     reverse KL
+    otherwise:   d = beta * KL(P || M) + (1 - beta) * KL(Q || M),  M = beta * P + (1 - beta) * Q
+    loss = mean of d over the kept rows (target != ignore_index; every row when there is no target)
+
+No ``T**2`` factor: like TRL's ``generalized_jsd_loss`` (and unlike Hinton-style distillation), the loss is
+the divergence of the tempered distributions as it stands. Multiply by ``T**2`` yourself if you want the
+gradient's scale to stay put as T changes. Every row ignored: the loss is 0 and the gradient is 0 (TRL
+would divide 0 by 0).
+
+Gradient. The teacher is a constant. With g_i = dd/dQ_i, the softmax chain rule gives
+dd/ds_j = Q_j (g_j - sum_i Q_i g_i) (a constant added to every g_i drops out), and dd/dz_j = (1/T) dd/ds_j
+for the student logits z::
+
+    beta == 0:   g_i = -P_i / Q_i                   ->  dd/ds_j = Q_j - P_j
+    beta == 1:   g_i = log Q_i - log P_i + 1        ->  dd/ds_j = Q_j (log Q_j - log P_j - d)
+    otherwise:   g_i = (1 - beta) (log Q_i - log M_i)
+                                                    ->  dd/ds_j = (1 - beta) Q_j (log Q_j - log M_j - KL(Q || M))
+
+(the mixture: d = beta sum P log P + (1 - beta) sum Q log Q - sum M log M, and dM_i/dQ_i = 1 - beta). The
+mean multiplies each kept row's gradient by 1 / (kept rows).
+
+Kernel: one program per tile of rows, looping over the vocabulary in blocks, all math in fp32.
+Pass 1 keeps an online log-sum-exp (running max, rescaled sum) of z / T and of the teacher's y / T; for
+beta in {0, 1} it also keeps the P- (or Q-) weighted running sum of y - z (or z - y), rescaled with the
+same max, so KL = E[t - s] - lse_t + lse_s is known at the end of pass 1. The mixture needs log M_i, which
+depends on both final log-sum-exps, so for 0 < beta < 1 pass 2 reads the row again for KL(P || M) and
+KL(Q || M). The last pass writes dd/dz of every element into a new buffer of the student's shape (the
+caller's tensors are never written), walking the row backwards so the blocks read last are read first,
+while in L2. Bytes: the loss alone reads student and teacher once (beta in {0, 1}) or twice; loss and
+gradient read them two (three) times and write the gradient once. The backward only multiplies that
+buffer by the upstream gradient, and skips even that when it is exactly 1 (a plain ``loss.backward()``).
+In fp16 the buffer holds dd/dz without the mean's 1 / n (which would push it below fp16's range) and the
+backward applies it, as in liger_lab.cross_entropy.
+
+Numerics. Logits enter as (z - max z) / T, never as z / T - lse, so logits of 1e4 keep their digits. The
+reverse KL's gradient is Q_j ((z_j - y_j) - E_Q[z - y]) / T: the log-sum-exps cancel exactly, and a
+saturated softmax gets the zero gradient it has instead of rounding noise. The mixture's loss uses
+log(M / Q) = log1p(beta expm1(log P - log Q)), exact when student and teacher nearly agree (a divergence of
+1e-5 is not a difference of numbers near 1), and its gradient uses softplus(log r) with
+r = beta P / ((1 - beta) Q), exact when they disagree. On the tests' inputs both are orders of magnitude
+closer to float64 than the textbook formula in PyTorch fp32. log1p, expm1 and softplus are written with
+``tl.exp`` and ``tl.log`` (libdevice does not work in the interpreter); no term is ever 0 * log 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_lab import runtime
+from liger_lab.ops import cross_entropy  # noqa: F401  (registers liger_lab::scale_rows_, which the backward calls)
+from liger_lab.ops.common import as_rows, check_float
+
+FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
+
+
+@triton.jit
+def _online_lse_step(m, total, x, inv_temperature):
+    """One block of an online log-sum-exp of x / T per row. x: raw logits (ROWS, BLOCK_N), -inf in masked
+    lanes; m: the running max of x (unscaled); total: the running sum of exp((x - m) / T). Returns the new
+    (m, total), the factor that rescaled the old sum, and exp((x - new m) / T) for the block."""
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    # A row that has seen nothing yet still has m = -inf: shift by 0 there, not by -inf - -inf = nan.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    rescale = tl.exp((m - shift) * inv_temperature)
+    e = tl.exp((x - shift[:, None]) * inv_temperature)
+    return m_new, total * rescale + tl.sum(e, axis=1), rescale, e
+
+
+@triton.jit
+def _log_softmax(x, m, log_total, inv_temperature):
+    """log softmax(x / T) of a block from its row's max m and log-sum: x - m is taken before scaling by 1/T, so
+    logits of 1e4 keep the digits that x / T - lse would round away."""
+    return (x - m[:, None]) * inv_temperature - log_total[:, None]
+
+
+@triton.jit
+def _log1p(u):
+    """log(1 + u) for u > -1 to full precision without libdevice: log(w) * u / (w - 1), w = 1 + u rounded
+    (the rounding of w cancels between the log and the division)."""
+    w = 1.0 + u
+    return tl.where(w == 1.0, u, tl.log(w) * u / tl.where(w == 1.0, 1.0, w - 1.0))
+
+
+@triton.jit
+def _expm1(x):
+    """exp(x) - 1 to full precision near 0, without libdevice (the same cancellation of rounding as _log1p)."""
+    u = tl.exp(x)
+    log_u = tl.log(tl.where((u == 1.0) | (u == 0.0), 2.0, u))  # not log(1) or log(0): those lanes take x or -1
+    return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0, (u - 1.0) * x / log_u))
+
+
+@triton.jit
+def _softplus(v):
+    """log(1 + exp(v)) for any v, to full precision."""
+    return tl.maximum(v, 0.0) + _log1p(tl.exp(-tl.abs(v)))
+
+
+@triton.jit
+def _log_mix_ratio(delta, beta, log_beta, log_1m_beta):
+    """log(M / Q) = log((1 - beta) + beta exp(delta)) for delta = log P - log Q: as log1p(beta expm1(delta)) it
+    stays exact when P and Q nearly agree (a tiny divergence is not a difference of large numbers), and as
+    log(beta) + delta + softplus(...) it does not overflow for large delta."""
+    small = _log1p(beta * _expm1(tl.minimum(delta, 20.0)))
+    large = log_beta + delta + _softplus(log_1m_beta - log_beta - delta)
+    return tl.where(delta > 20.0, large, small)
+
+
+@triton.jit
+def _jsd_kernel(
+    z_ptr, z_row_stride, y_ptr, y_row_stride, target_ptr, loss_ptr, grad_ptr, grad_row_stride, grad_scale_ptr,
+    n_rows, n_cols, ignore_index, beta, log_beta, log_1m_beta, inv_temperature,
+    MODE: tl.constexpr, HAS_TARGET: tl.constexpr, WRITE_GRAD: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """z: student logits, y: teacher logits, both (n_rows, n_cols) with unit column stride."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    keep = row_mask
+    if HAS_TARGET:
+        target = tl.load(target_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        keep = row_mask & (target != ignore_index)
+    z_row = z_ptr + rows.to(tl.int64) * z_row_stride  # int64: 16k rows x 128k columns passes 2**31
+    y_row = y_ptr + rows.to(tl.int64) * y_row_stride
+    cols = tl.arange(0, BLOCK_N)
+
+    # Pass 1: online log-sum-exp of z / T and of y / T. Ignored rows load nothing (masked). For beta in
+    # {0, 1} also the running sum of exp((y - m_y) / T) (y - z), or of exp((z - m_z) / T) (z - y).
+    m_z = tl.full([ROWS], float("-inf"), tl.float32)
+    m_y = tl.full([ROWS], float("-inf"), tl.float32)
+    sum_z = tl.zeros([ROWS], tl.float32)
+    sum_y = tl.zeros([ROWS], tl.float32)
+    weighted = tl.zeros([ROWS], tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        mask = keep[:, None] & ((start + cols) < n_cols)[None, :]
+        offsets = (start + cols)[None, :]
+        # evict_last: the next pass reads this block again, so it should outlive other rows' traffic in L2.
+        z = tl.load(z_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        y = tl.load(y_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        m_z, sum_z, rescale_z, e_z = _online_lse_step(m_z, sum_z, tl.where(mask, z, float("-inf")), inv_temperature)
+        m_y, sum_y, rescale_y, e_y = _online_lse_step(m_y, sum_y, tl.where(mask, y, float("-inf")), inv_temperature)
+        if MODE == 0:
+            weighted = weighted * rescale_y + tl.sum(e_y * (y - z), axis=1)
+        if MODE == 1:
+            weighted = weighted * rescale_z + tl.sum(e_z * (z - y), axis=1)
+    # Ignored rows: max 0 and sum 1, so the later passes compute finite values there (then multiplied by 0).
+    m_z = tl.where(keep, m_z, 0.0)
+    m_y = tl.where(keep, m_y, 0.0)
+    sum_z = tl.where(keep, sum_z, 1.0)
+    sum_y = tl.where(keep, sum_y, 1.0)
+    log_sum_z = tl.log(sum_z)
+    log_sum_y = tl.log(sum_y)
+
+    mean_zy = weighted / sum_z  # reverse KL: E_Q[z - y]
+    mean_q_l = tl.zeros([ROWS], tl.float32)
+    if MODE == 0:  # KL(P || Q) = E_P[t - s] - lse_t + lse_s, with lse_t = m_y / T + log sum_y
+        d = (weighted / sum_y - (m_y - m_z)) * inv_temperature - log_sum_y + log_sum_z
+    elif MODE == 1:  # KL(Q || P) = E_Q[s - t] - lse_s + lse_t
+        d = (mean_zy - (m_z - m_y)) * inv_temperature - log_sum_z + log_sum_y
+    else:
+        # Pass 2 (mixture only), needing both final log-sum-exps: KL(Q || M) = -E_Q[log(M / Q)] and
+        # KL(P || M) = -E_P[log(M / P)], each log-ratio from delta = log P - log Q (see _log_mix_ratio).
+        mean_q_ratio = tl.zeros([ROWS], tl.float32)
+        mean_p_ratio = tl.zeros([ROWS], tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            mask = keep[:, None] & ((start + cols) < n_cols)[None, :]
+            offsets = (start + cols)[None, :]
+            z = tl.load(z_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            y = tl.load(y_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            log_q = _log_softmax(z, m_z, log_sum_z, inv_temperature)
+            log_p = _log_softmax(y, m_y, log_sum_y, inv_temperature)
+            delta = log_p - log_q
+            q_ratio = _log_mix_ratio(delta, beta, log_beta, log_1m_beta)
+            p_ratio = _log_mix_ratio(-delta, 1.0 - beta, log_1m_beta, log_beta)
+            q = tl.exp(log_q)
+            mean_q_ratio += tl.sum(tl.where(mask, q * q_ratio, 0.0), axis=1)
+            mean_p_ratio += tl.sum(tl.where(mask, tl.exp(log_p) * p_ratio, 0.0), axis=1)
+            if WRITE_GRAD:
+                # For the gradient: E_Q[softplus(log r)], log r = log(beta P / ((1 - beta) Q)), the same function
+                # the last pass evaluates per element (log(M / Q) = log(1 - beta) + softplus(log r)), so
+                # that their difference keeps its digits where it is small.
+                log_r = delta + (log_beta - log_1m_beta)
+                mean_q_l += tl.sum(tl.where(mask, q * _softplus(log_r), 0.0), axis=1)
+        d = -beta * mean_p_ratio - (1.0 - beta) * mean_q_ratio
+    tl.store(loss_ptr + rows, tl.where(keep, d, 0.0), mask=row_mask)
+
+    if WRITE_GRAD:
+        # Last pass: dd/dz into the new buffer, times 1/T and the mean's factor; ignored rows get exact zeros.
+        coef = tl.where(keep, inv_temperature * tl.load(grad_scale_ptr), 0.0)
+        grad_row = grad_ptr + rows.to(tl.int64) * grad_row_stride
+        n_blocks = tl.cdiv(n_cols, BLOCK_N)
+        for back in range(0, n_blocks):
+            start = (n_blocks - 1 - back) * BLOCK_N  # last block first: the likeliest to still be in L2
+            in_row = ((start + cols) < n_cols)[None, :]
+            mask = keep[:, None] & in_row
+            offsets = (start + cols)[None, :]
+            # evict_first on this last read and on the store: neither is needed again.
+            z = tl.load(z_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            y = tl.load(y_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            log_q = _log_softmax(z, m_z, log_sum_z, inv_temperature)
+            q = tl.exp(log_q)
+            if MODE == 0:
+                grad = q - tl.exp(_log_softmax(y, m_y, log_sum_y, inv_temperature))
+            elif MODE == 1:
+                # log Q_j - log P_j - d = ((z_j - y_j) - E_Q[z - y]) / T: the log-sum-exps cancel exactly, so a
+                # saturated softmax (Q one-hot) gets the zero gradient it has, not rounding noise.
+                grad = q * ((z - y) - mean_zy[:, None]) * inv_temperature
+            else:
+                # log Q_j - log M_j - KL(Q || M) = E_Q[softplus(log r)] - softplus(log r_j): no log Q_j of a
+                # large magnitude is subtracted from another, so rounding stays at the size of the result.
+                log_r = _log_softmax(y, m_y, log_sum_y, inv_temperature) - log_q + (log_beta - log_1m_beta)
+                grad = (1.0 - beta) * q * (mean_q_l[:, None] - _softplus(log_r))
+            grad *= coef[:, None]
+            tl.store(
+                grad_row[:, None] + offsets,
+                grad.to(grad_ptr.dtype.element_ty),
+                mask=row_mask[:, None] & in_row,
+                eviction_policy="evict_first",
+            )
+
+
+def mode_of(beta: float) -> int:
+    """Which divergence the kernel computes: forward KL, reverse KL or the mixture (exactly as TRL branches)."""
+    return FORWARD_KL if beta == 0 else REVERSE_KL if beta == 1 else MIXTURE
+
+
+def jsd_rows(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    target: torch.Tensor | None,
+    loss: torch.Tensor,
+    beta: float,
+    temperature: float,
+    ignore_index: int,
+    *,
+    grad: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
+    """Launch the kernel on (rows, V) views with unit column stride: each row's divergence (fp32, 0 for an
+    ignored row) into ``loss`` (rows,); when ``grad`` (rows, V) is given, dd/dz times ``grad_scale`` (an
+    fp32 scalar tensor on the device) into it. ``target``: flat (rows,) integers, or None to keep every row."""
+    n_rows, n_cols = student.shape
+    if n_rows == 0:
+        return
+    mode = mode_of(beta)
+    log_beta, log_1m_beta = (math.log(beta), math.log1p(-beta)) if mode == MIXTURE else (0.0, 0.0)
+    launch = runtime.streaming_row_launch(n_rows, n_cols)
+    _jsd_kernel[(launch.grid,)](
+        student, student.stride(0), teacher, teacher.stride(0), target if target is not None else loss, loss,
+        grad if grad is not None else loss, grad.stride(0) if grad is not None else 0,
+        grad_scale if grad_scale is not None else loss,
+        n_rows, n_cols, ignore_index, beta, log_beta, log_1m_beta, 1.0 / temperature,
+        MODE=mode, HAS_TARGET=target is not None, WRITE_GRAD=grad is not None, ROWS=launch.rows,
+        BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+    )  # fmt: skip
+
+
+def _jsd(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    target: torch.Tensor | None,
+    beta: float,
+    temperature: float,
+    ignore_index: int,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 mean loss, gradient of the student's rows or an empty tensor, fp32 factor the backward still
+    owes the gradient). Everything stays on the device: the kept count is never read by the host."""
+    rows_s, rows_t = as_rows(student), as_rows(teacher)
+    n_rows, device = rows_s.shape[0], student.device
+    flat_target = None if target is None else target.reshape(-1).contiguous()
+    if flat_target is None:
+        kept = torch.full((), max(n_rows, 1), dtype=torch.float32, device=device)
+    else:
+        kept = (flat_target != ignore_index).sum().clamp(min=1).to(torch.float32)
+    inv_kept = 1.0 / kept
+    # The mean's 1/n goes into the stored gradient (a plain backward then has nothing left to do), except in
+    # fp16: (Q - P) / n for many tokens underflows fp16 (it stops at 6e-8), so fp16 stores dd/dz and the
+    # backward applies 1/n with the upstream gradient (as liger_lab.cross_entropy does).
+    fp16 = student.dtype == torch.float16
+    ones = torch.ones((), dtype=torch.float32, device=device)
+    loss = torch.empty(n_rows, dtype=torch.float32, device=device)
+    grad = torch.empty(rows_s.shape if compute_grad else (0,), dtype=student.dtype, device=device)
+    jsd_rows(
+        rows_s, rows_t, flat_target, loss, beta, temperature, ignore_index,
+        grad=grad if compute_grad else None, grad_scale=ones if fp16 else inv_kept,
+    )  # fmt: skip
+    return loss.sum() * inv_kept, grad, inv_kept if fp16 else ones
+
+
+# --------------------------------------------------------------------------------------------------
+# PyTorch operator (see liger_lab/ops/cross_entropy.py, whose pattern this follows). The gradient is made
+# in the forward into a fresh buffer; JSDFunction below is the autograd, scaling that buffer in place.
+
+
+@torch.library.custom_op("liger_lab::jsd", mutates_args=())
+def jsd_op(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target: torch.Tensor | None,
+    beta: float,
+    temperature: float,
+    ignore_index: int,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 loss, gradient (rows, V) of the student or an empty tensor, fp32 factor the backward owes it)."""
+    return _jsd(student_logits, teacher_logits, target, beta, temperature, ignore_index, compute_grad)
+
+
+@jsd_op.register_fake
+def _(student_logits, teacher_logits, target, beta, temperature, ignore_index, compute_grad):
+    rows = student_logits.shape[:-1].numel()
+    grad = student_logits.new_empty((rows, student_logits.shape[-1]) if compute_grad else (0,))
+    loss, owed = (student_logits.new_empty((), dtype=torch.float32) for _ in range(2))
+    return loss, grad, owed
+
+
+class JSDFunction(torch.autograd.Function):
+    """Autograd of ``liger_lab::jsd``: the gradient is made in the forward, the backward scales it in place
+    by the upstream gradient (an ``autograd.Function`` for the reason given in CrossEntropyFunction: a
+    registered formula may not modify the operator's outputs, and a scaled copy would cost a second
+    logits-sized buffer). Only the student gets a gradient."""
+
+    @staticmethod
+    def forward(ctx, student_logits, teacher_logits, target, beta, temperature, ignore_index):
+        loss, grad, owed = torch.ops.liger_lab.jsd(
+            student_logits, teacher_logits, target, beta, temperature, ignore_index, True
+        )
+        # Scaling in place in the backward bumps the buffer's version: a second backward through the same
+        # graph (retain_graph) then fails with "modified by an inplace operation" instead of scaling twice.
+        ctx.save_for_backward(grad, owed)
+        ctx.student_shape = student_logits.shape
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad, owed = ctx.saved_tensors
+        torch.ops.liger_lab.scale_rows_(grad, grad_loss.float() * owed)
+        return grad.view(ctx.student_shape).detach(), None, None, None, None, None
+
+
+def check_jsd_options(beta: float, temperature: float, ignore_index: int) -> tuple[float, float]:
+    """``beta`` in [0, 1], ``temperature`` positive and finite, ``ignore_index`` an int64; returns them as floats."""
+    for name, value in (("beta", beta), ("temperature", temperature)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} is {value!r}: expected a number")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta is {beta}: expected a number in [0, 1] (0: forward KL, 1: reverse KL)")
+    if not 0.0 < temperature < math.inf:
+        raise ValueError(f"temperature is {temperature}: expected a positive finite number")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or not -(2**63) <= ignore_index < 2**63:
+        raise ValueError(f"ignore_index is {ignore_index!r}: expected an int in the int64 range")
+    return float(beta), float(temperature)
+
+
+def check_target(target: torch.Tensor, student_logits: torch.Tensor) -> None:
+    """A mask of rows: integers of the student's leading shape, on its device (values are never read here)."""
+    if not isinstance(target, torch.Tensor):
+        raise ValueError(f"target must be a torch.Tensor or None, got {type(target).__name__}")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise ValueError(f"target has dtype {target.dtype}: expected an integer tensor (torch.int64), as labels are")
+    if target.shape != student_logits.shape[:-1]:
+        raise ValueError(
+            f"target has shape {tuple(target.shape)}: expected {tuple(student_logits.shape[:-1])}, one value per row "
+            f"of the logits {tuple(student_logits.shape)}"
+        )
+    if target.device != student_logits.device:
+        raise ValueError(f"target is on {target.device}: expected {student_logits.device}, the student's device")
+
+
+def jsd(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Generalized JSD of on-policy distillation, as TRL's GKD trainer defines it (``generalized_jsd_loss``).
+
+    ``student_logits`` and ``teacher_logits``: (..., V) of one shape, typically (N, V) or (B, T, V), in fp32,
+    fp16 or bf16 (the two may differ). With P = softmax(teacher / T) and Q = softmax(student / T), each row's
+    divergence is KL(P || Q) for ``beta == 0`` (forward KL), KL(Q || P) for ``beta == 1`` (reverse KL), and
+    beta * KL(P || M) + (1 - beta) * KL(Q || M) with M = beta * P + (1 - beta) * Q otherwise.
+
+    Returns a float32 scalar: the mean over the rows whose ``target`` (shape (...), integers) is not
+    ``ignore_index``, or over every row when ``target`` is None; the target's values are not class indices
+    here, only a mask. Every row ignored gives 0 with a zero gradient (TRL's formula would give 0/0).
+    There is no ``T**2`` factor, as in TRL's ``generalized_jsd_loss``: scale the loss yourself if wanted.
+
+    Gradients reach the student only; the teacher is treated as a constant (it gets no ``.grad`` even if it
+    requires grad). The gradient is made in the forward into a new buffer of the student's size; the
+    caller's tensors are never modified, and the graph can be backpropagated once.
+    """
+    beta, temperature = check_jsd_options(beta, temperature, ignore_index)
+    check_float("student_logits", student_logits)
+    check_float("teacher_logits", teacher_logits)
+    if student_logits.dim() == 0 or student_logits.shape[-1] == 0:
+        raise ValueError(
+            f"student_logits has shape {tuple(student_logits.shape)}: expected (..., V) with a vocabulary V >= 1"
+        )
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(
+            f"teacher_logits has shape {tuple(teacher_logits.shape)}: expected the student's shape "
+            f"{tuple(student_logits.shape)} (the same rows over the same vocabulary)"
+        )
+    if teacher_logits.device != student_logits.device:
+        raise ValueError(
+            f"teacher_logits is on {teacher_logits.device}: expected {student_logits.device}, the student's"
+        )
+    if target is not None:
+        check_target(target, student_logits)
+    teacher = teacher_logits.detach()
+    if student_logits.requires_grad and torch.is_grad_enabled():
+        return JSDFunction.apply(student_logits, teacher, target, beta, temperature, ignore_index)
+    return torch.ops.liger_lab.jsd(student_logits, teacher, target, beta, temperature, ignore_index, False)[0]
