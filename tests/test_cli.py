@@ -135,14 +135,14 @@ def test_e2e_sizes_pair_up():
 
 def test_exercises_regenerates_chapters(tmp_path, monkeypatch):
     notebook = nbformat.v4.new_notebook()
-    notebook.cells = [nbformat.v4.new_code_cell("x = 1\n# BEGIN SOLUTION hint: add one\ny = x + 1\n# END SOLUTION\n")]
+    notebook.cells = [nbformat.v4.new_code_cell("x = 1\n# BEGIN SOLUTION 1.1: add one\ny = x + 1\n# END SOLUTION\n")]
     (tmp_path / "solutions").mkdir()
     nbformat.write(notebook, tmp_path / "solutions" / "01_demo.ipynb")
     monkeypatch.chdir(tmp_path)
     result = invoke("exercises")
     assert result.exit_code == 0 and "01_demo.ipynb" in result.output
     source = "".join(nbformat.read(tmp_path / "chapters" / "01_demo.ipynb", as_version=4).cells[0].source)
-    assert "y = x + 1" not in source and "EXERCISE: add one" in source
+    assert "y = x + 1" not in source and "EXERCISE 1.1: add one" in source
 
 
 def _benchmark_script():
