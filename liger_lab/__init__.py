@@ -9,6 +9,7 @@ from liger_lab.ops.cross_entropy import cross_entropy
 from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_lab.ops.jsd import jsd
 from liger_lab.ops.layer_norm import layer_norm
+from liger_lab.ops.preference import fused_linear_dpo, fused_linear_orpo, fused_linear_simpo
 from liger_lab.ops.rms_norm import rms_norm
 from liger_lab.ops.rope import apply_rotary_pos_emb, rope
 from liger_lab.ops.swiglu import geglu, swiglu
@@ -31,4 +32,7 @@ __all__ = [
     "cross_entropy",
     "fused_linear_cross_entropy",
     "jsd",
+    "fused_linear_dpo",
+    "fused_linear_orpo",
+    "fused_linear_simpo",
 ]

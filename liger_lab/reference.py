@@ -139,3 +139,76 @@ def jsd(
         keep = target.reshape(-1) != ignore_index
     d = torch.where(keep, d, torch.zeros_like(d))
     return d.sum() / keep.sum().clamp(min=1)
+
+
+# Preference losses: hidden (2B, T, H), rows [0, B) chosen and [B, 2B) rejected responses to the same prompts.
+
+ORPO_MAX_AVG_LOGP = -1e-6
+"""ORPO's cap on a sequence's mean token log-probability (its odds are infinite at 0)."""
+
+
+def sequence_logps(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, kept count) per sequence: the sum over positions whose target is not ``ignore_index`` of
+    log_softmax(hidden @ weight.T)[target] (0 when none is kept), and the number of those positions."""
+    logits = F.linear(hidden, weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    keep = target != ignore_index
+    picked = logits.log_softmax(-1).gather(-1, torch.where(keep, target, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(keep, picked, torch.zeros_like(picked)).sum(-1), keep.sum(-1)
+
+
+def _mean_over_pairs(terms: torch.Tensor) -> torch.Tensor:
+    return terms.sum() / max(terms.shape[0], 1)
+
+
+def fused_linear_dpo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ref_hidden: torch.Tensor,
+    ref_weight: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """DPO (sigmoid loss): mean over pairs of -logsigmoid(beta * ((logp_c - ref_c) - (logp_r - ref_r))), the
+    reference's logps from ``ref_hidden @ ref_weight.T`` without gradient."""
+    n_pairs = hidden.shape[0] // 2
+    logp, _ = sequence_logps(hidden, weight, target, ignore_index)
+    with torch.no_grad():
+        ref, _ = sequence_logps(ref_hidden.detach(), ref_weight.detach(), target, ignore_index)
+    margin = (logp[:n_pairs] - ref[:n_pairs]) - (logp[n_pairs:] - ref[n_pairs:])
+    return _mean_over_pairs(-F.logsigmoid(beta * margin))
+
+
+def fused_linear_orpo(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, beta: float = 0.1, ignore_index: int = -100
+) -> torch.Tensor:
+    """ORPO: the chosen sequences' NLL averaged over their kept tokens, minus beta * mean over pairs of
+    logsigmoid(odds_c - odds_r), odds = avg - log(1 - exp(avg)) with avg = logp / max(count, 1) capped at
+    :data:`ORPO_MAX_AVG_LOGP`."""
+    n_pairs = hidden.shape[0] // 2
+    logp, count = sequence_logps(hidden, weight, target, ignore_index)
+    nll = -logp[:n_pairs].sum() / count[:n_pairs].sum().clamp(min=1)
+    avg = (logp / count.clamp(min=1)).clamp(max=ORPO_MAX_AVG_LOGP)
+    log_1m_p = torch.where(avg > -0.6931471805599453, torch.log(-torch.expm1(avg)), torch.log1p(-torch.exp(avg)))
+    odds = avg - log_1m_p
+    return nll - beta * _mean_over_pairs(F.logsigmoid(odds[:n_pairs] - odds[n_pairs:]))
+
+
+def fused_linear_simpo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """SimPO: mean over pairs of -logsigmoid(beta * (avg_c - avg_r) - gamma), avg = logp / max(count, 1)."""
+    n_pairs = hidden.shape[0] // 2
+    logp, count = sequence_logps(hidden, weight, target, ignore_index)
+    avg = logp / count.clamp(min=1)
+    return _mean_over_pairs(-F.logsigmoid(beta * (avg[:n_pairs] - avg[n_pairs:]) - gamma))

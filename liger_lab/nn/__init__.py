@@ -4,8 +4,26 @@ Each keeps the parameter names, shapes and defaults of the module it replaces, s
 loads either way.
 """
 
-from liger_lab.nn.losses import JSD, CrossEntropyLoss, FusedLinearCrossEntropyLoss
+from liger_lab.nn.losses import (
+    JSD,
+    CrossEntropyLoss,
+    FusedLinearCrossEntropyLoss,
+    FusedLinearDPOLoss,
+    FusedLinearORPOLoss,
+    FusedLinearSimPOLoss,
+)
 from liger_lab.nn.mlp import GeGLUMLP, SwiGLUMLP
 from liger_lab.nn.norms import LayerNorm, RMSNorm
 
-__all__ = ["LayerNorm", "RMSNorm", "SwiGLUMLP", "GeGLUMLP", "CrossEntropyLoss", "FusedLinearCrossEntropyLoss", "JSD"]
+__all__ = [
+    "LayerNorm",
+    "RMSNorm",
+    "SwiGLUMLP",
+    "GeGLUMLP",
+    "CrossEntropyLoss",
+    "FusedLinearCrossEntropyLoss",
+    "JSD",
+    "FusedLinearDPOLoss",
+    "FusedLinearORPOLoss",
+    "FusedLinearSimPOLoss",
+]

@@ -9,6 +9,7 @@ from torch import nn
 from liger_lab.ops.cross_entropy import cross_entropy
 from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_lab.ops.jsd import jsd
+from liger_lab.ops.preference import fused_linear_dpo, fused_linear_orpo, fused_linear_simpo
 
 
 class CrossEntropyLoss(nn.Module):
@@ -123,3 +124,74 @@ class JSD(nn.Module):
 
     def extra_repr(self) -> str:
         return f"beta={self.beta}, temperature={self.temperature}, ignore_index={self.ignore_index}"
+
+
+class FusedLinearDPOLoss(nn.Module):
+    """:func:`liger_lab.fused_linear_dpo` as a module: ``loss = dpo(lin_weight, _input, target, ref_input,
+    ref_weight)``, the weight first as in :class:`FusedLinearCrossEntropyLoss`. ``_input`` (2B, T, H) holds the
+    chosen sequences in rows [0, B) and the rejected ones in [B, 2B); the reference model gets no gradient.
+    The module holds no parameters."""
+
+    def __init__(self, beta: float = 0.1, ignore_index: int = -100, *, chunk_pairs: int | None = None) -> None:
+        super().__init__()
+        self.beta = beta
+        self.ignore_index = ignore_index
+        self.chunk_pairs = chunk_pairs
+
+    def forward(
+        self,
+        lin_weight: torch.Tensor,
+        _input: torch.Tensor,
+        target: torch.Tensor,
+        ref_input: torch.Tensor,
+        ref_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        return fused_linear_dpo(
+            _input, lin_weight, target, ref_input, ref_weight, beta=self.beta, ignore_index=self.ignore_index,
+            chunk_pairs=self.chunk_pairs,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, ignore_index={self.ignore_index}"
+
+
+class FusedLinearORPOLoss(nn.Module):
+    """:func:`liger_lab.fused_linear_orpo` as a module: ``loss = orpo(lin_weight, _input, target)`` (chosen NLL
+    plus the odds-ratio term). The module holds no parameters."""
+
+    def __init__(self, beta: float = 0.1, ignore_index: int = -100, *, chunk_pairs: int | None = None) -> None:
+        super().__init__()
+        self.beta = beta
+        self.ignore_index = ignore_index
+        self.chunk_pairs = chunk_pairs
+
+    def forward(self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return fused_linear_orpo(
+            _input, lin_weight, target, beta=self.beta, ignore_index=self.ignore_index, chunk_pairs=self.chunk_pairs
+        )
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, ignore_index={self.ignore_index}"
+
+
+class FusedLinearSimPOLoss(nn.Module):
+    """:func:`liger_lab.fused_linear_simpo` as a module: ``loss = simpo(lin_weight, _input, target)`` (no
+    reference model, no NLL term). The module holds no parameters."""
+
+    def __init__(
+        self, beta: float = 2.0, gamma: float = 0.5, ignore_index: int = -100, *, chunk_pairs: int | None = None
+    ) -> None:
+        super().__init__()
+        self.beta = beta
+        self.gamma = gamma
+        self.ignore_index = ignore_index
+        self.chunk_pairs = chunk_pairs
+
+    def forward(self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return fused_linear_simpo(
+            _input, lin_weight, target, beta=self.beta, gamma=self.gamma, ignore_index=self.ignore_index,
+            chunk_pairs=self.chunk_pairs,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, gamma={self.gamma}, ignore_index={self.ignore_index}"

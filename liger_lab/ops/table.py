@@ -10,6 +10,7 @@ shape, gives the shapes used by checks and benchmarks, the bytes (or FLOPs) the 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from collections.abc import Callable
@@ -126,6 +127,19 @@ def _jsd_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
     return [_randn(shape, dtype, scale=2.0), teacher, _targets(n_tokens, vocab)]
 
 
+def _preference_inputs(shape: Shape, dtype: torch.dtype, *, with_reference: bool = False) -> list[object]:
+    """B pairs of T positions: hidden (2B, T, H) (chosen rows, then rejected), the policy head, targets with the
+    first quarter of each sequence (the prompt) ignored, and for DPO a frozen reference model (constants)."""
+    pairs, seq_len, hidden, vocab = shape
+    target = _targets(2 * pairs * seq_len, vocab).view(2 * pairs, seq_len)
+    target[:, : seq_len // 4] = -100
+    inputs = [_randn((2 * pairs, seq_len, hidden), dtype), _randn((vocab, hidden), dtype, hidden**-0.5), target]
+    if with_reference:
+        reference_head = [_randn((2 * pairs, seq_len, hidden), dtype), _randn((vocab, hidden), dtype, hidden**-0.5)]
+        inputs += [t.detach() for t in reference_head]
+    return inputs
+
+
 _NORM = dict(bench_shape=(16384, 4096), quick_shape=(4096, 4096), check_shapes=((3, 37, 96), (4, 1024, 4096)))
 _GLU = dict(bench_shape=(16384, 14336), quick_shape=(4096, 14336), check_shapes=((3, 33, 160), (2048, 14336)))
 _IN_PLACE = {"in_place_backward": {"in_place_backward": True}}
@@ -192,6 +206,26 @@ OPS: dict[str, OpSpec] = {
             # No peer: Liger-Kernel's liger_jsd takes log-probabilities (log_softmax done by the caller) and
             # has no temperature, so it is another function of these inputs, not the same loss.
             liger=None,
+        ),
+        *(
+            OpSpec(
+                f"fused_linear_{loss}",
+                functools.partial(_preference_inputs, with_reference=loss == "dpo"),
+                ("hidden", "weight", "target", *(("ref_hidden", "ref_weight") if loss == "dpo" else ())),
+                ("hidden", "weight"),
+                # (pairs B, positions T, hidden H, vocabulary V): 2B sequences of T positions.
+                bench_shape=(4, 1024, 4096, 128256), quick_shape=(1, 1024, 4096, 128256),
+                check_shapes=((2, 9, 16, 130), (2, 512, 4096, 128256)),
+                operators=("fused_linear_preference", "scale_rows", "scale_rows_"),
+                elements=lambda s: 2 * s[0] * s[1] * s[3],
+                # 6 N H V for the trained head, plus 2 N H V for DPO's reference head.
+                flops=lambda s, loss=loss: (8.0 if loss == "dpo" else 6.0) * 2 * s[0] * s[1] * s[2] * s[3],
+                graph_timing=False, registered_autograd=False,
+                # No peer row yet: Liger-Kernel's chunked preference losses are modules (LigerFusedLinearDPOLoss,
+                # ...) with their own argument order, not entries of its functional API.
+                liger=None,
+            )
+            for loss in ("dpo", "orpo", "simpo")
         ),
     )
 }  # fmt: skip
