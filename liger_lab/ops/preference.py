@@ -8,26 +8,28 @@ z = hidden @ weight.T, a sequence's score is built from its token log-probabilit
     logp = sum over kept positions t of log_softmax(z_t)[target_t]     (0 for a sequence with none kept)
     avg  = logp / max(n, 1),  n = its number of kept positions
 
-and each pair b (chosen c, rejected r) gives a term of a mean over pairs (sigma is the logistic function)::
+and the loss is a mean over the pairs b (chosen c, rejected r; sigma is the logistic function)::
 
-    DPO    -log sigma(beta * ((logp_c - ref_c) - (logp_r - ref_r)))       ref: the same logp under a frozen
-                                                                         reference model (ref_hidden, ref_weight)
-    SimPO  -log sigma(beta * (avg_c - avg_r) - gamma)
-    ORPO   -beta * log sigma(odds(avg_c) - odds(avg_r)),  odds(a) = a - log(1 - exp(a)),
-           plus the chosen sequences' NLL, -sum_b logp_c / (kept chosen tokens), the SFT term.
+    DPO    mean_b -log sigma(beta * ((logp_c - ref_c) - (logp_r - ref_r)))    ref: the same logp under a frozen
+                                                                            reference model (ref_hidden, ref_weight)
+    SimPO  mean_b -log sigma(beta * (avg_c - avg_r) - gamma)
+    ORPO   mean_b -beta * log sigma(odds(avg_c) - odds(avg_r)),  odds(a) = a - log(1 - exp(a)),
+           plus the SFT term: the chosen sequences' NLL per kept token, -sum_b logp_c / (kept chosen tokens).
 
-``log(1 - exp(a))`` is evaluated as ``log(-expm1(a))`` near 0 and ``log1p(-exp(a))`` further out, both exact
-in floating point. It is -inf at a = 0 (a sequence that is certain, or one with no kept position), so ORPO caps
-``avg`` at :data:`ORPO_MAX_AVG_LOGP` before taking the odds (no gradient flows through the cap). A sequence
-whose positions are all ignored has logp = 0 and avg = 0: no evidence, and a finite loss for every loss.
+``log(1 - exp(a))`` is evaluated as ``log(-expm1(a))`` near 0 and ``log1p(-exp(a))`` further out, each accurate
+on its side (1 - exp(a) itself loses every digit as a approaches 0). It is -inf at a = 0 (a sequence that is
+certain, or one with no kept position), so ORPO caps ``avg`` at :data:`ORPO_MAX_AVG_LOGP` before taking the
+odds (no gradient flows through the cap). A sequence whose positions are all ignored has logp = 0 and avg = 0:
+no evidence, and a finite value for every loss.
 
-**The gradient.** Write L = (1/B) sum_b l_b(logp of the pair's sequences). Only the sequence scores couple
-the rows, so by the chain rule, for a token position t of sequence s::
+**The gradient.** Write L = (1/B) sum_b l_b, each l_b a function of its pair's two logp (ORPO's NLL is
+shared out as -B logp_c / (kept chosen tokens) per pair). Only the sequence scores couple the rows, and
+d log_softmax(z)[y] / dz = onehot(y) - softmax(z), so for a position t of sequence s::
 
     dL/dz_t = (1/B) * dl/dlogp_s * dlogp_s/dz_t = (1/B) * (-dl/dlogp_s) * (softmax(z_t) - onehot(target_t))
 
 which is the cross-entropy gradient of the position, scaled by one number per sequence. Per loss, with
-m the argument of log sigma and sigma(-m) = 1 - sigma(m):
+m the argument of log sigma and d(-log sigma(m))/dm = -sigma(-m)::
 
     DPO    dl/dlogp_c = -beta * sigma(-m),  dl/dlogp_r = +beta * sigma(-m)
     SimPO  the same with beta / n_c and beta / n_r        (avg = logp / n)
@@ -50,15 +52,17 @@ holds the 2kT rows of k pairs. The chunk's step:
 3. the kernel runs again over the same logits with the per-row scale -dl/dlogp of each row's sequence and
    writes (softmax - onehot) * scale over z, in fp32 registers, rounded once to the logits' dtype.
 
-The loop then makes dW += dz.T @ h and dh = dz @ W for the chunk, with the 1/B of the mean on the matmuls'
-``alpha``. Running the kernel twice reads the logits three times and writes them once; computing the unscaled
-gradient and rescaling it afterwards (``scale_rows``) would read three times and write twice, and would round
-the gradient to fp16/bf16 before scaling it. Finally dh is put back into the caller's row order.
+The loop then makes dW += dz.T @ h and dh = dz @ W for the chunk, with the 1/B of the mean (and DPO's and
+SimPO's beta, a factor of every row's scale) on the matmuls' ``alpha`` rather than in the fp16/bf16 dz.
+Running the kernel twice reads the logits three times and writes them once; computing the unscaled gradient
+and rescaling it afterwards (``scale_rows``) would read three times and write twice, and would round the
+gradient to fp16/bf16 before scaling it. Finally dh is put back into the caller's row order.
 
-DPO's reference scores come first, from the same loop over ``ref_hidden @ ref_weight.T`` with no gradient:
+DPO's reference scores come first, from the same chunk loop over ``ref_hidden @ ref_weight.T`` with no gradient:
 only per-position log-probabilities are kept (N floats), never the reference's logits beyond one chunk.
 
-**Memory.** One chunk of logits (2kT x V) plus the N x H pair-ordered copy of hidden and the N x H gradient.
+**Memory.** One chunk of logits (2kT x V), the N x H pair-ordered copy of hidden and the N x H gradient (put
+back in the caller's order by one more N x H copy when B > 1).
 :data:`CHUNK_BUDGET_BYTES` sets how many pairs a chunk holds (at least one: with T = 1024, V = 128256 in
 bf16 a single pair's logits are 501 MiB). dW is accumulated over chunks as in the fused linear cross-entropy
 (``accumulation``). Gradients are made in the forward; the backward multiplies them by the upstream gradient.
@@ -190,6 +194,9 @@ def _forward(hidden, weight, target, ref_hidden, ref_weight, loss, beta, gamma, 
     if ref_hidden is not None:
         ref = _by_pair(_reference_logps(ref_hidden, ref_weight, target, options, chunk_rows), n_pairs)
     pair_loss = PAIR_LOSSES[loss]
+    # DPO's and SimPO's dl/dlogp are beta times a number of order 1: beta goes on the matmuls with the 1/B, so
+    # that a small beta does not push the fp16 gradient written over the logits below fp16's range.
+    common_factor = beta if loss in ("dpo", "simpo") and beta > 0 else 1.0
     terms = torch.zeros(n_pairs, dtype=torch.float64, device=hidden.device)
     rows = _pair_order(hidden, n_pairs)
     flat_target = _pair_order(target, n_pairs).contiguous()
@@ -202,16 +209,16 @@ def _forward(hidden, weight, target, ref_hidden, ref_weight, loss, beta, gamma, 
         logp = _sequence_logps(token_losses[chunk], seq_len).view(-1, 2)
         ref_k = None if ref is None else ref[first:last]
         terms[first:last], d_logp = pair_loss(logp, n[first:last], ref_k, beta=beta, gamma=gamma, nll_scale=nll_scale)
-        if write_grad:  # dz = (1/B) (-dl/dlogp) (softmax - onehot); the 1/B rides on the matmuls
+        if write_grad:  # dz = (1/B) (-dl/dlogp) (softmax - onehot), with common_factor / B on the matmuls
             scale = row_scale[: z.shape[0]].view(-1, seq_len)
-            scale.copy_((-d_logp).reshape(-1, 1).expand(-1, seq_len))
+            scale.copy_((-d_logp / common_factor).reshape(-1, 1).expand(-1, seq_len))
             _token_losses(z, flat_target[chunk], token_losses[chunk], options, grad=z, row_scale=scale.view(-1))
 
     grads = ChunkGrads(hidden=needs[0], weight=needs[1], weight_grad_dtype=accumulation_dtype(weight, accumulation))
     grad_h = grad_w = None
     if rows.shape[0]:
         grad_h, grad_w, _ = chunked_linear_loss(rows, weight, step, chunk=chunk_rows, grads=grads,
-                                                grad_scale=1.0 / n_pairs)  # fmt: skip
+                                                grad_scale=common_factor / n_pairs)  # fmt: skip
     else:  # no positions at all (T = 0 or B = 0): every sequence scores 0, nothing depends on the weights
         empty = torch.zeros(n_pairs, 2, dtype=torch.float64, device=hidden.device)
         terms = pair_loss(empty, n, ref, beta=beta, gamma=gamma, nll_scale=nll_scale)[0]
