@@ -7,6 +7,7 @@ available, Triton's interpreter on CPU tensors otherwise.
 from liger_lab import exercises, runtime
 from liger_lab.ops.cross_entropy import cross_entropy
 from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
 from liger_lab.ops.jsd import jsd
 from liger_lab.ops.layer_norm import layer_norm
 from liger_lab.ops.preference import fused_linear_dpo, fused_linear_orpo, fused_linear_simpo
@@ -32,6 +33,7 @@ __all__ = [
     "cross_entropy",
     "fused_linear_cross_entropy",
     "jsd",
+    "fused_linear_jsd",
     "fused_linear_dpo",
     "fused_linear_orpo",
     "fused_linear_simpo",

@@ -141,6 +141,25 @@ def jsd(
     return d.sum() / keep.sum().clamp(min=1)
 
 
+def fused_linear_jsd(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """:func:`jsd` of the two heads' logits, ``student_hidden @ student_weight.T`` and
+    ``teacher_hidden @ teacher_weight.T`` (hidden sizes may differ): what the fused kernel never materialises.
+    The teacher's head is a constant."""
+    student_logits = F.linear(student_hidden, student_weight)
+    teacher_logits = F.linear(teacher_hidden.detach(), teacher_weight.detach())
+    return jsd(student_logits, teacher_logits, target, beta=beta, temperature=temperature, ignore_index=ignore_index)
+
+
 # Preference losses: hidden (2B, T, H), rows [0, B) chosen and [B, 2B) rejected responses to the same prompts.
 
 ORPO_MAX_AVG_LOGP = -1e-6

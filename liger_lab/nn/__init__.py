@@ -9,6 +9,7 @@ from liger_lab.nn.losses import (
     CrossEntropyLoss,
     FusedLinearCrossEntropyLoss,
     FusedLinearDPOLoss,
+    FusedLinearJSD,
     FusedLinearORPOLoss,
     FusedLinearSimPOLoss,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "CrossEntropyLoss",
     "FusedLinearCrossEntropyLoss",
     "JSD",
+    "FusedLinearJSD",
     "FusedLinearDPOLoss",
     "FusedLinearORPOLoss",
     "FusedLinearSimPOLoss",

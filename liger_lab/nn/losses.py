@@ -8,6 +8,7 @@ from torch import nn
 
 from liger_lab.ops.cross_entropy import cross_entropy
 from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
 from liger_lab.ops.jsd import jsd
 from liger_lab.ops.preference import fused_linear_dpo, fused_linear_orpo, fused_linear_simpo
 
@@ -124,6 +125,55 @@ class JSD(nn.Module):
 
     def extra_repr(self) -> str:
         return f"beta={self.beta}, temperature={self.temperature}, ignore_index={self.ignore_index}"
+
+
+class FusedLinearJSD(nn.Module):
+    """:func:`liger_lab.fused_linear_jsd` as a module: the JSD of a student's and a teacher's ``lm_head``
+    outputs without their logits, ``loss = FusedLinearJSD(beta=0.5, temperature=1.0)(student_hidden,
+    student_weight, teacher_hidden, teacher_weight, target=None)``.
+
+    Both heads are passed to ``forward`` (the module holds no parameters, and the teacher's head is often
+    frozen or tied elsewhere); the argument order is that of Liger-Kernel's ``LigerFusedLinearJSD``
+    (whose ``jsd_beta`` is ``beta`` here). Hidden states (..., H_s) and (..., H_t), weights (V, H_s) and
+    (V, H_t); gradients reach the student's hidden states and weight only. See the function for
+    ``chunk_tokens`` and ``accumulation``.
+    """
+
+    def __init__(
+        self,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        ignore_index: int = -100,
+        *,
+        chunk_tokens: int | None = None,
+        accumulation: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.beta = beta
+        self.temperature = temperature
+        self.ignore_index = ignore_index
+        self.chunk_tokens = chunk_tokens
+        self.accumulation = accumulation
+
+    def forward(
+        self,
+        student_hidden: torch.Tensor,
+        student_weight: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        target: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return fused_linear_jsd(
+            student_hidden, student_weight, teacher_hidden, teacher_weight, target, beta=self.beta,
+            temperature=self.temperature, ignore_index=self.ignore_index, chunk_tokens=self.chunk_tokens,
+            accumulation=self.accumulation,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"beta={self.beta}, temperature={self.temperature}, ignore_index={self.ignore_index}, "
+            f"chunk_tokens={self.chunk_tokens}, accumulation={self.accumulation}"
+        )
 
 
 class FusedLinearDPOLoss(nn.Module):

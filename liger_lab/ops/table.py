@@ -127,6 +127,14 @@ def _jsd_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
     return [_randn(shape, dtype, scale=2.0), teacher, _targets(n_tokens, vocab)]
 
 
+def _fljsd_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
+    """Student hidden states and head (requiring grad), the teacher's (constants: no gradient), labels."""
+    n_tokens, student_size, teacher_size, vocab = shape
+    teacher = [_randn((n_tokens, teacher_size), dtype), _randn((vocab, teacher_size), dtype, 2 * teacher_size**-0.5)]
+    student = [_randn((n_tokens, student_size), dtype), _randn((vocab, student_size), dtype, 2 * student_size**-0.5)]
+    return [*student, *(t.detach() for t in teacher), _targets(n_tokens, vocab)]
+
+
 def _preference_inputs(shape: Shape, dtype: torch.dtype, *, with_reference: bool = False) -> list[object]:
     """B pairs of T positions: hidden (2B, T, H) (chosen rows, then rejected), the policy head, targets with the
     first quarter of each sequence (the prompt) ignored, and for DPO a frozen reference model (constants)."""
@@ -206,6 +214,21 @@ OPS: dict[str, OpSpec] = {
             # No peer: Liger-Kernel's liger_jsd takes log-probabilities (log_softmax done by the caller) and
             # has no temperature, so it is another function of these inputs, not the same loss.
             liger=None,
+        ),
+        OpSpec(
+            "fused_linear_jsd", _fljsd_inputs,
+            ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight", "target"),
+            ("student_hidden", "student_weight"),
+            # (tokens N, student hidden H_s, teacher hidden H_t, vocabulary V); H_t != H_s in the interpreter.
+            bench_shape=(8192, 4096, 4096, 128256), quick_shape=(2048, 4096, 4096, 128256),
+            check_shapes=((37, 24, 40, 130), (2048, 4096, 4096, 128256)),
+            operators=("fused_linear_jsd", "scale_rows", "scale_rows_"),
+            elements=lambda s: s[0] * s[3],
+            # 6 N H_s V for the student's head (logits and both gradients), 2 N H_t V for the teacher's logits.
+            flops=lambda s: 6.0 * s[0] * s[1] * s[3] + 2.0 * s[0] * s[2] * s[3],
+            graph_timing=False, registered_autograd=False,
+            # Same loss and argument order (its jsd_beta is our beta; beta 0 and 1 are the forward and reverse KL).
+            liger=("liger_fused_linear_jsd", {}),
         ),
         *(
             OpSpec(
