@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from liger_lab import runtime
 
@@ -23,3 +24,20 @@ def row_strided(x: torch.Tensor) -> torch.Tensor:
     wide = torch.zeros(*x.shape[:-1], x.shape[-1] + 7, dtype=x.dtype, device=x.device)
     wide[..., : x.shape[-1]] = x
     return wide[..., : x.shape[-1]]
+
+
+class LargestNewTensor(TorchDispatchMode):
+    """The most elements of any tensor an aten op makes: views hold no memory of their own, and ops that write
+    into their arguments (``out=``, ``copy_``, the interpreter's storage copies) allocate nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and not func._schema.is_mutable:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+        return out

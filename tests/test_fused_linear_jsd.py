@@ -3,8 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import non_contiguous, randn
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import LargestNewTensor, non_contiguous, randn
 
 import liger_lab
 from liger_lab import reference, runtime
@@ -250,29 +249,12 @@ def test_chunk_size_follows_the_memory_budget():
     assert fljsd_module.chunk_rows_for(100, 32000, bf16, bf16) == 100  # never above the row count
 
 
-class _LargestNewTensor(TorchDispatchMode):
-    """The most elements of any tensor an aten op makes: views hold no memory of their own, and ops that write
-    into their arguments (``out=``, ``copy_``, the interpreter's storage copies) allocate nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view and not func._schema.is_mutable:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_no_tensor_holds_the_logits_of_every_row(beta):
     """The op's work under a dispatch mode: nothing it allocates is bigger than a chunk of logits, dW or dh."""
     n, chunk, vocab = 64, 10, 300
     sh, sw, th, tw = heads(n=n, student_size=8, teacher_size=12, vocab=vocab)
-    with _LargestNewTensor() as mode:
+    with LargestNewTensor() as mode:
         fljsd_module._forward(sh, sw, th, tw, targets((n,)), beta, 2.0, -100, chunk, "fp32", [True, True])
     assert mode.largest <= max(chunk * vocab, sw.numel(), sh.numel()) < n * vocab
 

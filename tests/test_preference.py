@@ -6,8 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import randn, row_strided
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import LargestNewTensor, randn, row_strided
 
 import liger_lab
 from liger_lab import reference, runtime
@@ -257,22 +256,6 @@ def test_without_grad_and_modules(loss):
     assert "beta" in repr(module)
 
 
-class _LargestNewTensor(TorchDispatchMode):
-    """The most elements of any tensor an aten op makes (views and ops writing into their arguments make none)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view and not func._schema.is_mutable:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("loss", LOSSES)
 def test_no_tensor_holds_the_logits_of_every_pair(loss):
     """Policy and reference logits exist one chunk of pairs at a time: nothing the op allocates is bigger
@@ -280,7 +263,7 @@ def test_no_tensor_holds_the_logits_of_every_pair(loss):
     n_pairs, seq_len, vocab = 5, 6, 300
     hidden, weight, target, *refs = inputs(loss, n_pairs=n_pairs, seq_len=seq_len, hidden=8, vocab=vocab)
     refs = refs or [None, None]
-    with _LargestNewTensor() as mode:
+    with LargestNewTensor() as mode:
         preference._forward(hidden, weight, target, *refs, loss, 0.1, 0.5, -100, 2, "fp32", [True, True])
     chunk_logits = 2 * 2 * seq_len * vocab  # two pairs per chunk
     assert mode.largest <= max(chunk_logits, weight.numel(), hidden.numel()) < 2 * n_pairs * seq_len * vocab

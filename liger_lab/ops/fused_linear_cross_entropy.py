@@ -81,6 +81,17 @@ def chunk_tokens_for(
     return max(1, min(chunk, n_tokens))
 
 
+def check_chunk_options(name: str, chunk: int | None, accumulation: str | None) -> str:
+    """Validate a fused loss's chunk-size keyword ``name`` (None or a positive int) and its ``accumulation``;
+    return the accumulation to use (None: :data:`ACCUMULATION`)."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"{name} is {chunk!r}: expected None or a positive int")
+    accumulation = ACCUMULATION if accumulation is None else accumulation
+    if accumulation not in ACCUMULATIONS:
+        raise ValueError(f"accumulation is {accumulation!r}: expected one of {ACCUMULATIONS}")
+    return accumulation
+
+
 def accumulation_dtype(weight: torch.Tensor, accumulation: str) -> torch.dtype:
     """The dtype dW is summed in over chunks (see the module docstring)."""
     if accumulation not in ACCUMULATIONS:
@@ -326,7 +337,7 @@ def scale_rows_op(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 scale_rows_op.register_fake(lambda x, scale, dtype: torch.empty_like(x, dtype=dtype))
 
 
-def _finish_grads(grad_h, grad_w, grad_b, grad_loss, ctx):
+def finish_grads(grad_h, grad_w, grad_b, grad_loss, ctx):
     """Gradients made in the forward, times the upstream gradient, in the inputs' dtypes and shapes.
     Scaling happens in place (skipped on the GPU when the upstream gradient is exactly 1)."""
     needs_h, needs_w, needs_b = ctx.needs
@@ -387,7 +398,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_w = grad_w.to(ctx.weight_dtype) if ctx.needs[1] else None
             grad_b = grad_b.to(ctx.weight_dtype) if ctx.needs[2] else None
         else:
-            grad_h, grad_w, grad_b = _finish_grads(*ctx.saved_tensors, grad_loss, ctx)
+            grad_h, grad_w, grad_b = finish_grads(*ctx.saved_tensors, grad_loss, ctx)
         # detach(): a fresh tensor object, so a leaf's .grad is never the leaf itself (in place: its memory)
         return None if grad_h is None else grad_h.detach(), grad_w, None, grad_b, None, None
 
@@ -448,12 +459,7 @@ def fused_linear_cross_entropy(
     if len({t.dtype for t in tensors.values()}) > 1:
         listed = ", ".join(f"{name} {t.dtype}" for name, t in tensors.items())
         raise ValueError(f"expected one dtype (as torch.nn.functional.linear does), got {listed}")
-    bad_chunk = isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
-    if chunk_tokens is not None and bad_chunk:
-        raise ValueError(f"chunk_tokens is {chunk_tokens!r}: expected None or a positive int")
-    accumulation = ACCUMULATION if accumulation is None else accumulation
-    if accumulation not in ACCUMULATIONS:
-        raise ValueError(f"accumulation is {accumulation!r}: expected one of {ACCUMULATIONS}")
+    accumulation = check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
     if not isinstance(loss_dtype, torch.dtype) or not loss_dtype.is_floating_point:
         raise ValueError(f"loss_dtype is {loss_dtype!r}: expected a floating torch.dtype such as torch.float32")
     check_target_tensor(target, hidden.shape[:-1])

@@ -46,12 +46,11 @@ from liger_lab.ops import cross_entropy  # noqa: F401  (registers liger_lab::sca
 from liger_lab.ops.chunked import ChunkGrads, chunked_linear_loss
 from liger_lab.ops.common import check_float
 from liger_lab.ops.fused_linear_cross_entropy import (
-    ACCUMULATION,
-    ACCUMULATIONS,
     CHUNK_ALIGN,
     MIB,
-    _finish_grads,
     accumulation_dtype,
+    check_chunk_options,
+    finish_grads,
 )
 from liger_lab.ops.jsd import check_jsd_options, jsd_rows
 
@@ -174,7 +173,7 @@ class FusedLinearJSDFunction(torch.autograd.Function):
             student_hidden, student_weight, teacher_hidden, teacher_weight, target, *arguments
         )
         needs = arguments[-1]
-        # The attributes _finish_grads reads (it serves the fused cross-entropy too, which also has a bias).
+        # The attributes finish_grads reads (it serves the fused cross-entropy too, which also has a bias).
         ctx.needs, ctx.hidden_shape, ctx.weight_dtype = (
             (needs[0], needs[1], False),
             student_hidden.shape,
@@ -187,7 +186,7 @@ class FusedLinearJSDFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w, _ = _finish_grads(*ctx.saved_tensors, None, grad_loss, ctx)
+        grad_h, grad_w, _ = finish_grads(*ctx.saved_tensors, None, grad_loss, ctx)
         # detach(): a fresh tensor object, so a leaf's .grad is never the buffer the backward scaled
         return None if grad_h is None else grad_h.detach(), grad_w, None, None, None, None
 
@@ -276,12 +275,7 @@ def fused_linear_jsd(
     """
     beta, temperature = check_jsd_options(beta, temperature, ignore_index)
     _check_inputs(student_hidden, student_weight, teacher_hidden, teacher_weight, target)
-    bad_chunk = isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
-    if chunk_tokens is not None and bad_chunk:
-        raise ValueError(f"chunk_tokens is {chunk_tokens!r}: expected None or a positive int")
-    accumulation = ACCUMULATION if accumulation is None else accumulation
-    if accumulation not in ACCUMULATIONS:
-        raise ValueError(f"accumulation is {accumulation!r}: expected one of {ACCUMULATIONS}")
+    accumulation = check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
     grad_on = torch.is_grad_enabled()
     needs = [grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad]
     arguments = (beta, temperature, ignore_index, chunk_tokens, accumulation, needs)

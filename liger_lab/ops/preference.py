@@ -80,10 +80,8 @@ from liger_lab.ops.chunked import ChunkGrads, chunked_linear_loss
 from liger_lab.ops.common import check_float
 from liger_lab.ops.cross_entropy import LossOptions, check_loss_options, check_target, check_target_tensor
 from liger_lab.ops.cross_entropy import cross_entropy_rows as _token_losses
-from liger_lab.ops.fused_linear_cross_entropy import ACCUMULATION, ACCUMULATIONS, accumulation_dtype
-from liger_lab.ops.fused_linear_cross_entropy import _finish_grads as finish_grads
+from liger_lab.ops.fused_linear_cross_entropy import MIB, accumulation_dtype, check_chunk_options, finish_grads
 
-MIB = 2**20
 CHUNK_BUDGET_BYTES = 240 * MIB
 """Bytes of one chunk of logits; a chunk holds as many complete pairs as fit, at least one."""
 ORPO_MAX_AVG_LOGP = -1e-6
@@ -347,12 +345,7 @@ def _preference(loss, hidden, weight, target, ref_hidden, ref_weight, *, beta, g
                 f"ref_weight has {ref_weight.shape[0]} rows: expected the policy's vocabulary size {weight.shape[0]}"
             )
     check_target_tensor(target, hidden.shape[:-1])
-    bad_chunk = isinstance(chunk_pairs, bool) or not isinstance(chunk_pairs, int) or chunk_pairs < 1
-    if chunk_pairs is not None and bad_chunk:
-        raise ValueError(f"chunk_pairs is {chunk_pairs!r}: expected None or a positive int")
-    accumulation = ACCUMULATION if accumulation is None else accumulation
-    if accumulation not in ACCUMULATIONS:
-        raise ValueError(f"accumulation is {accumulation!r}: expected one of {ACCUMULATIONS}")
+    accumulation = check_chunk_options("chunk_pairs", chunk_pairs, accumulation)
     if ref_hidden is not None:  # a frozen model: constants of the call
         ref_hidden, ref_weight = ref_hidden.detach(), ref_weight.detach()
     grad_on = torch.is_grad_enabled()
