@@ -14,10 +14,9 @@ fresh process. Rows carry ``"attention": "sdpa, causal (no mask built)"``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
-import sys
+
+import per_mode
 
 ATTENTION = "sdpa, causal (no mask built)"
 
@@ -41,30 +40,17 @@ def child(mode: str, batch: int, seq: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="hf+compile,liger_lab,liger_lab+compile")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = per_mode.parse_arguments(__doc__.split("\n\n")[0], "hf+compile,liger_lab,liger_lab+compile")
     if args.child:
         child(args.child, args.batch, args.seq)
         return
     from liger_lab import bench, e2e
 
     rows = []
-    for mode in args.modes.split(","):
-        command = [sys.executable, __file__, "--child", mode, "--batch", str(args.batch), "--seq", str(args.seq)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        row = json.loads(lines[-1]) if lines else {"impl": mode, "error": done.stderr[-2000:]}
+    for row in per_mode.rows_of_children(__file__, args, label="impl"):
         rows.append({**row, **bench.environment()})
-        print(e2e.format_run(row) if "error" not in row else f"{mode}: {row['error']}", flush=True)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(rows, out, indent=1)
-            out.write("\n")
+        print(e2e.format_run(row) if "error" not in row else f"{row['impl']}: {row['error']}", flush=True)
+    per_mode.write_rows(rows, args.json)
 
 
 if __name__ == "__main__":

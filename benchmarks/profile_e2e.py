@@ -11,14 +11,12 @@ removing them entirely would make a step ``step / (step - fused)`` times faster.
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
 
+import per_mode
 import torch
 
 from liger_lab import e2e
@@ -80,30 +78,18 @@ def profile_mode(mode: str, batch: int, seq: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="liger_lab,liger")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = per_mode.parse_arguments(__doc__.split("\n\n")[0], "liger_lab,liger")
     if args.child:
         print(json.dumps(profile_mode(args.child, args.batch, args.seq)))
         return
     rows = []
-    for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--child", mode, "--batch", str(args.batch), "--seq", str(args.seq)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        row = json.loads(lines[-1]) if lines else {"mode": mode, "error": done.stderr[-2000:]}
+    for row in per_mode.rows_of_children(__file__, args, label="mode"):
         fused = row.get("by_category_ms", {}).get("fused (Triton)", 0.0)
         if "kernel_ms" in row:
             row["bound_if_fused_took_zero"] = round(row["kernel_ms"] / (row["kernel_ms"] - fused), 4)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    per_mode.write_rows(rows, args.json)
 
 
 if __name__ == "__main__":

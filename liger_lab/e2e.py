@@ -517,11 +517,16 @@ def run_isolated(
         args += ["--shapes", ",".join(f"{b}x{t}" for b, t in shapes)]
     if compile_backend is not None:
         args += ["--compile-backend", compile_backend]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    return child_row(args, {"op": f"e2e_{task}", "impl": mode, "batch": batch, "seq": seq}, timeout_s=timeout_s)
+
+
+def child_row(command: Sequence[str], failed: dict[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
+    """Run ``command``, a Python process that prints its result as a JSON line, and return the last such row.
+    A child that fails or prints no row (a CUDA crash, a missing package) gives ``failed`` plus its "error"."""
+    done = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout_s)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        return {"op": f"e2e_{task}", "impl": mode, "batch": batch, "seq": seq,
-                "error": (done.stderr or done.stdout).strip()[-2000:] or f"exit code {done.returncode}"}  # fmt: skip
+        return {**failed, "error": (done.stderr or done.stdout).strip()[-2000:] or f"exit code {done.returncode}"}
     return json.loads(lines[-1])
 
 

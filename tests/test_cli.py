@@ -206,3 +206,22 @@ def test_workbook_rejects_a_bad_port_before_starting(monkeypatch, tmp_path):
     monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail("must not start"))
     result = CliRunner().invoke(cli.main, ["workbook", "--folder", str(tmp_path), "--port", "70000"])
     assert result.exit_code != 0 and "70000" in result.output
+
+
+def test_benchmark_modes_each_run_in_a_child_process_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    per_mode = importlib.import_module("per_mode")
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import json, sys\n"
+        "mode = sys.argv[sys.argv.index('--child') + 1]\n"
+        "if mode == 'broken':\n    sys.exit('no row for this mode')\n"
+        "print('a line that is not a row')\n"
+        "print(json.dumps({'mode': mode, 'batch': int(sys.argv[sys.argv.index('--batch') + 1])}))\n"
+    )
+    args = per_mode.parse_arguments("demo", "fine,broken", ["--batch", "3"])
+    rows = list(per_mode.rows_of_children(str(script), args, label="mode"))
+    assert rows[0] == {"mode": "fine", "batch": 3}
+    assert rows[1]["mode"] == "broken" and "no row for this mode" in rows[1]["error"]
+    per_mode.write_rows(rows, str(tmp_path / "rows.json"))
+    assert json.loads((tmp_path / "rows.json").read_text()) == rows
