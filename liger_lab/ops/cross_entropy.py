@@ -400,6 +400,22 @@ def scale_rows_in_place_op(x: torch.Tensor, scale: torch.Tensor) -> None:
 scale_rows_in_place_op.register_fake(lambda x, scale: None)
 
 
+def save_gradient(ctx, grad: torch.Tensor, owed: torch.Tensor, shape: torch.Size) -> None:
+    """Keep a gradient made in the forward (rows of ``grad``, ``owed`` the scale each row still owes) for
+    :func:`scaled_gradient`. Scaling it in place in the backward bumps its version: a second backward through
+    the same graph (retain_graph) then fails with "modified by an inplace operation" instead of scaling twice."""
+    ctx.save_for_backward(grad, owed)
+    ctx.grad_shape = shape
+
+
+def scaled_gradient(ctx, grad_loss: torch.Tensor) -> torch.Tensor:
+    """The saved gradient times the upstream gradient, scaled in place, in the input's shape."""
+    grad, owed = ctx.saved_tensors
+    torch.ops.liger_lab.scale_rows_(grad, grad_loss.float() * owed)
+    # detach(): a fresh tensor object, so a leaf's .grad is never the leaf itself (in place: its memory)
+    return grad.view(ctx.grad_shape).detach()
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     """Autograd of both operators. The gradient is made in the forward; the backward scales it in place by
     the upstream gradient. That is why this is an ``autograd.Function`` (which torch.compile traces like
@@ -415,18 +431,12 @@ class CrossEntropyFunction(torch.autograd.Function):
             grad = logits.detach()
         else:
             loss, grad, owed = torch.ops.liger_lab.cross_entropy(logits, target, *astuple(options), True)
-        # Scaling the gradient in place in the backward bumps its version: a second backward through the
-        # same graph (retain_graph) then fails with "modified by an inplace operation" instead of scaling twice.
-        ctx.save_for_backward(grad, owed)
-        ctx.logits_shape = logits.shape
+        save_gradient(ctx, grad, owed, logits.shape)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad, owed = ctx.saved_tensors
-        torch.ops.liger_lab.scale_rows_(grad, grad_loss.float() * owed)
-        # detach(): a fresh tensor object, so a leaf's .grad is never the leaf itself (in place: its memory)
-        return grad.view(ctx.logits_shape).detach(), None, None, None
+        return scaled_gradient(ctx, grad_loss), None, None, None
 
 
 def cross_entropy(

@@ -58,8 +58,8 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
-from liger_lab.ops import cross_entropy  # noqa: F401  (registers liger_lab::scale_rows_, which the backward calls)
 from liger_lab.ops.common import as_rows, check_float
+from liger_lab.ops.cross_entropy import save_gradient, scaled_gradient
 
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
 
@@ -336,17 +336,12 @@ class JSDFunction(torch.autograd.Function):
         loss, grad, owed = torch.ops.liger_lab.jsd(
             student_logits, teacher_logits, target, beta, temperature, ignore_index, True
         )
-        # Scaling in place in the backward bumps the buffer's version: a second backward through the same
-        # graph (retain_graph) then fails with "modified by an inplace operation" instead of scaling twice.
-        ctx.save_for_backward(grad, owed)
-        ctx.student_shape = student_logits.shape
+        save_gradient(ctx, grad, owed, student_logits.shape)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad, owed = ctx.saved_tensors
-        torch.ops.liger_lab.scale_rows_(grad, grad_loss.float() * owed)
-        return grad.view(ctx.student_shape).detach(), None, None, None, None, None
+        return scaled_gradient(ctx, grad_loss), None, None, None, None, None
 
 
 def check_jsd_options(beta: float, temperature: float, ignore_index: int) -> tuple[float, float]:
