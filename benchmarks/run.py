@@ -4,6 +4,7 @@
     python benchmarks/run.py --quick         # smaller shapes, a short sweep
     python benchmarks/run.py --short-sweep   # protocol shapes, a short sweep
     python benchmarks/run.py --op rms_norm   # some ops only
+    python benchmarks/run.py --op jsd --impl liger_lab --impl liger   # some implementations only
 
 Writes ``benchmarks/results/<name>.json`` (one row per measurement, each with the GPU name and the
 versions of torch, triton, liger_lab and Liger-Kernel) and two plots next to it: ``<name>-ops.png``
@@ -125,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller shapes and a short sweep")
     parser.add_argument("--short-sweep", action="store_true", help="protocol shapes, but the short norm sweep")
     parser.add_argument("--op", action="append", choices=list(bench.OPS), help="op to run (repeatable; default all)")
+    parser.add_argument("--impl", action="append", help="implementation to run (repeatable; default all)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the norm sweep over hidden size and tokens")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder")
     parser.add_argument("--name", help="file name stem (default: the GPU name)")
@@ -140,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"copy ceiling {copy_gbs:.0f} GB/s, bf16 matmul {rows[1]['tflops']:.0f} TFLOP/s")
 
     shapes = op_shapes(args.quick)
-    results, failures = bench.run_op_benchmarks(ops, shapes=shapes)
+    results, failures = bench.run_op_benchmarks(ops, shapes=shapes, impls=args.impl)
     profiling.print_table(results)
     rows += [{**r.as_row(), "shape": list(shapes[r.op])} for r in results]
 

@@ -53,7 +53,7 @@ class OpBench:
         for impl, build in self.impls.items():
             if impl == "torch_compile" and runtime.INTERPRET:
                 continue
-            if impl == "liger" and (runtime.INTERPRET or not liger_kernel_installed()):
+            if impl.split(":")[0] == "liger" and (runtime.INTERPRET or not liger_kernel_installed()):
                 continue
             if impl == "cce" and (runtime.INTERPRET or importlib.util.find_spec("cut_cross_entropy") is None):
                 continue
@@ -121,6 +121,7 @@ def _impls(spec: OpSpec) -> dict[str, Callable[[], Callable[..., object]]]:
         impls[f"liger_lab:{label}"] = lambda options=options: spec.call(**options)
     if spec.liger is not None:
         impls["liger"] = _liger(spec.liger[0], **spec.liger[1])
+    impls.update(spec.liger_modules)
     impls["torch_compile"] = lambda: torch.compile(spec.reference)
     impls["eager"] = lambda: spec.reference
     if spec.name == "fused_linear_cross_entropy":

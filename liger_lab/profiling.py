@@ -5,7 +5,8 @@ Every figure here is measured the same way for every implementation, in the same
 * time: the median of many calls. On the GPU, forward and forward+backward are captured in a CUDA graph
   and replayed (``triton.testing.do_bench_cudagraph``), so the figure is GPU time, not the Python and
   launch overhead that dominates a 0.1 ms op; where capture is impossible (an op that reads a value back
-  to the host), ``triton.testing.do_bench``. The row's ``timer`` says which. On CPU a wall clock that times
+  to the host), the sum of its kernels' durations under ``torch.profiler``, with the wall time of a call
+  (``triton.testing.do_bench``) next to it. The row's ``timer`` says which. On CPU a wall clock that times
   the interpreter, labelled as such, never to be read as GPU speed;
 * peak memory: ``torch.cuda.max_memory_allocated`` during one forward+backward, above what was already
   allocated (the inputs and the upstream gradient); not measurable on CPU;
@@ -87,6 +88,9 @@ class Result:
     full_tflops: float | None = None
     bandwidth_fraction: float | None = None
     timer: str = "do_bench"
+    wall_ms: float | None = None
+    """Forward+backward per call as a user without CUDA graphs sees it (CUDA events around each call), when
+    ``full_ms`` is the profiler's kernel sum."""
 
     def as_row(self) -> dict:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -132,10 +136,13 @@ def measure(
     fwd_ms = full_ms = None
     if graph:
         fwd_ms, full_ms = runtime.measure_graph_ms(forward), runtime.measure_graph_ms(forward_backward)
-    timer = "cuda_graph"
+    timer, wall_ms = "cuda_graph", None
     if fwd_ms is None or full_ms is None:
-        fwd_ms, full_ms, timer = time_ms(forward), time_ms(forward_backward), "do_bench"
-    result = Result(op, impl, fwd_ms, full_ms, peak, timer=timer if not runtime.INTERPRET else "wall_clock")
+        wall_fwd_ms, wall_ms = time_ms(forward), time_ms(forward_backward)
+        fwd_ms = runtime.measure_kernel_sum_ms(forward) or wall_fwd_ms
+        full_ms = runtime.measure_kernel_sum_ms(forward_backward) or wall_ms
+        timer = "profiler" if not runtime.INTERPRET else "wall_clock"
+    result = Result(op, impl, fwd_ms, full_ms, peak, timer=timer, wall_ms=None if runtime.INTERPRET else wall_ms)
     if fwd_bytes is not None:
         result.fwd_gbs = achieved_gbs(fwd_bytes, fwd_ms)
     if full_bytes is not None:
@@ -151,12 +158,16 @@ def measure(
 def print_table(results: Sequence[Result]) -> None:
     """A fixed-width table of results, fastest forward+backward first within each op."""
     print(f"timer: {runtime.timer_label()}")
-    print(f"{'op':<14}{'impl':<15}{'fwd ms':>10}{'fwd+bwd ms':>12}{'peak MiB':>10}{'GB/s':>9}{'of copy':>9}  timer")
+    width = max([14, *(len(r.op) + 2 for r in results)])
+    header = f"{'op':<{width}}{'impl':<24}{'fwd ms':>10}{'fwd+bwd ms':>12}{'wall ms':>9}{'peak MiB':>10}"
+    print(f"{header}{'GB/s':>9}{'of copy':>9}  timer")
     for r in sorted(results, key=lambda r: (r.op, r.full_ms)):
         peak = "n/a" if r.peak_mib is None else f"{r.peak_mib:.0f}"
+        wall = "" if r.wall_ms is None else f"{r.wall_ms:.3f}"
         gbs = "" if r.full_gbs is None else f"{r.full_gbs:.3g}"
         frac = "" if r.bandwidth_fraction is None else f"{r.bandwidth_fraction:.0%}"
-        print(f"{r.op:<14}{r.impl:<15}{r.fwd_ms:>10.3f}{r.full_ms:>12.3f}{peak:>10}{gbs:>9}{frac:>9}  {r.timer}")
+        row = f"{r.op:<{width}}{r.impl:<24}{r.fwd_ms:>10.3f}{r.full_ms:>12.3f}{wall:>9}{peak:>10}"
+        print(f"{row}{gbs:>9}{frac:>9}  {r.timer}")
 
 
 def plot_results(results: Sequence[Result], title: str = "", floor_ms: float | None = None):

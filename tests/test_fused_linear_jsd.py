@@ -36,7 +36,7 @@ def heads(n=N, student_size=HS, teacher_size=HT, vocab=V, dtype=torch.float32, s
     ]
 
 
-def _check(tensors, target=None, tol=None, prepare=lambda x: x, **kwargs):
+def _check(tensors, target=None, tol=None, prepare=lambda x: x, errors=None, **kwargs):
     """Loss and the gradients of the student's hidden states and weight against float64 (the teacher's tensors
     also require grad here; the reference gives them none, so none is compared)."""
     options = {k: v for k, v in kwargs.items() if k not in ("chunk_tokens", "accumulation")}
@@ -47,7 +47,27 @@ def _check(tensors, target=None, tol=None, prepare=lambda x: x, **kwargs):
         tensors,
         input_names=NAMES,
         tol=tol,
+        errors=errors,
     )
+
+
+def _check_bf16_like_pytorch(tensors, target, **kwargs):
+    """bf16 logits carry a relative rounding of 2**-9, and the JSD's gradient (a difference of two nearby
+    distributions, with no one-hot term to dominate it as in cross-entropy) passes it on at about 1e-2. So each
+    figure is compared with float64 and may be up to twice the error of the same loss in plain PyTorch on the
+    same bf16 tensors (bf16 logits from F.linear, fp32 math after), or 1e-2, whichever is larger."""
+    options = {k: v for k, v in kwargs.items() if k not in ("chunk_tokens", "accumulation")}
+    pytorch_errors, our_errors = [], []
+    check_against_reference(
+        "PyTorch in bf16",
+        lambda *a: reference.fused_linear_jsd(*a, target, **options),
+        lambda *a: reference.fused_linear_jsd(*a, target, **options),
+        tensors, input_names=NAMES, tol=1.0, errors=pytorch_errors,
+    )  # fmt: skip
+    _check(tensors, target, tol=1.0, errors=our_errors, **kwargs)
+    assert len(our_errors) == len(pytorch_errors) == 3  # the loss and two gradients
+    for ours, pytorch in zip(our_errors, pytorch_errors, strict=True):
+        assert ours <= max(1e-2, 2 * pytorch), (our_errors, pytorch_errors)
 
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
@@ -323,7 +343,7 @@ def test_interpreter_rejects_other_devices():
 def test_bf16_128k_vocabulary(beta, temperature):
     tensors = heads(n=64, student_size=256, teacher_size=384, vocab=128256, dtype=torch.bfloat16)
     target = targets((64,))
-    assert _check(tensors, target, chunk_tokens=24, beta=beta, temperature=temperature)
+    _check_bf16_like_pytorch(tensors, target, chunk_tokens=24, beta=beta, temperature=temperature)
 
 
 @pytest.mark.cuda

@@ -57,6 +57,9 @@ class OpSpec:
     """Opt-in keyword sets that get their own labelled benchmark row, e.g. ``{"in_place": {...}}``."""
     liger: tuple[str, dict[str, object]] | None = None
     """Liger-Kernel's functional op and the keywords that match our defaults."""
+    liger_modules: dict[str, Callable[[], Callable[..., object]]] = field(default_factory=dict)
+    """Liger-Kernel peers that are modules with their own argument order: row label -> a builder of a function
+    taking this op's inputs (imported only when the row runs)."""
     graph_timing: bool = True
     """Whether a CUDA graph can capture the op (not when it reads a value back to the host)."""
 
@@ -148,6 +151,23 @@ def _preference_inputs(shape: Shape, dtype: torch.dtype, *, with_reference: bool
     return inputs
 
 
+def _liger_module(class_name: str, adapt: Callable[..., Callable[..., object]], **options: object):
+    """A builder of a Liger-Kernel chunked-loss module called with this op's inputs: ``adapt(module)`` reorders
+    them and keeps the loss (the preference modules also return their log-probabilities)."""
+
+    def build() -> Callable[..., object]:
+        from liger_kernel import chunked_loss
+
+        return adapt(getattr(chunked_loss, class_name)(**options))
+
+    return build
+
+
+def _liger_preference(class_name: str, **options: object):
+    """Liger-Kernel's (weight, hidden, target, bias, reference hidden, reference weight) -> (loss, extras)."""
+    return _liger_module(class_name, lambda module: lambda h, w, t, *ref: module(w, h, t, None, *ref)[0], **options)
+
+
 _NORM = dict(bench_shape=(16384, 4096), quick_shape=(4096, 4096), check_shapes=((3, 37, 96), (4, 1024, 4096)))
 _GLU = dict(bench_shape=(16384, 14336), quick_shape=(4096, 14336), check_shapes=((3, 33, 160), (2048, 14336)))
 _IN_PLACE = {"in_place_backward": {"in_place_backward": True}}
@@ -229,6 +249,10 @@ OPS: dict[str, OpSpec] = {
             graph_timing=False, registered_autograd=False,
             # Same loss and argument order (its jsd_beta is our beta; beta 0 and 1 are the forward and reverse KL).
             liger=("liger_fused_linear_jsd", {}),
+            # Its chunked distillation loss, soft (JSD) term only; it weighs the same JSD of the same logits.
+            liger_modules={"liger:chunked": _liger_module(
+                "LigerFusedLinearJSDLoss", lambda module: module, weight_hard_loss=0.0, weight_soft_loss=1.0,
+            )},
         ),
         *(
             OpSpec(
@@ -244,11 +268,15 @@ OPS: dict[str, OpSpec] = {
                 # 6 N H V for the trained head, plus 2 N H V for DPO's reference head.
                 flops=lambda s, loss=loss: (8.0 if loss == "dpo" else 6.0) * 2 * s[0] * s[1] * s[2] * s[3],
                 graph_timing=False, registered_autograd=False,
-                # No peer row yet: Liger-Kernel's chunked preference losses are modules (LigerFusedLinearDPOLoss,
-                # ...) with their own argument order, not entries of its functional API.
-                liger=None,
+                # Liger-Kernel's chunked modules, set to the same loss: DPO without an NLL term, ORPO with its
+                # chosen NLL, SimPO without one (our SimPO has none) at our beta and gamma.
+                liger_modules={"liger": _liger_preference(module, **options)},
             )
-            for loss in ("dpo", "orpo", "simpo")
+            for loss, module, options in (
+                ("dpo", "LigerFusedLinearDPOLoss", {"beta": 0.1}),
+                ("orpo", "LigerFusedLinearORPOLoss", {"beta": 0.1}),
+                ("simpo", "LigerFusedLinearSimPOLoss", {"beta": 2.0, "gamma": 0.5, "compute_nll_loss": False}),
+            )
         ),
     )
 }  # fmt: skip
