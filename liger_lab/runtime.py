@@ -137,21 +137,22 @@ def persistent_row_launch(n_rows: int, n_cols: int) -> RowLaunch:
     return RowLaunch(block_n, rows, num_warps, max(1, min(triton.cdiv(n_rows, rows), sm_count())))
 
 
-def streaming_row_launch(n_rows: int, n_cols: int) -> RowLaunch:
+def streaming_row_launch(n_rows: int, n_cols: int, *, gpu_tile: int = _GPU_MAX_TILE // 2) -> RowLaunch:
     """Tile for kernels that stream rows too long for registers (a vocabulary) in steps of block_n columns.
 
-    Each program takes ``rows`` whole rows and loops over their columns. On the GPU a long row gets one
-    program with 8192-column blocks under 16 warps: with 8192 rows of 128k (bf16) that measured fastest
-    on an H200 once the cross-entropy's second pass ran backwards to reuse L2
-    (benchmarks/notes/cross_entropy.md).
+    Each program takes ``rows`` whole rows and loops over their columns, ``gpu_tile`` elements at a time on the
+    GPU, with a warp per 512 of them (4 to 16). The default, a long row in 8192-column blocks under 16 warps,
+    measured fastest for the cross-entropy with 8192 rows of 128k (bf16) on an H200 once its second pass ran
+    backwards to reuse L2 (benchmarks/notes/cross_entropy.md). A kernel with more arithmetic per element
+    (the JSD) holds more registers per element and passes a smaller tile.
     """
     if INTERPRET:
         # The interpreter's cost is per program and per statement, not per element: few programs, big tiles.
         block_n = min(triton.next_power_of_2(max(n_cols, 1)), 16384)
         rows = min(triton.next_power_of_2(triton.cdiv(n_rows, 2)), max(1, 2**20 // block_n))
         return RowLaunch(block_n, rows, 1, max(1, triton.cdiv(n_rows, rows)))
-    block_n = min(triton.next_power_of_2(max(n_cols, 1)), _GPU_MAX_TILE // 2)
-    rows = max(1, min(_GPU_MAX_TILE // 2 // block_n, 16))
+    block_n = min(triton.next_power_of_2(max(n_cols, 1)), gpu_tile)
+    rows = max(1, min(gpu_tile // block_n, 16))
     num_warps = max(4, min(16, rows * block_n // 512))
     return RowLaunch(block_n, rows, num_warps, max(1, triton.cdiv(n_rows, rows)))
 
