@@ -21,13 +21,11 @@ backward), so the backward only multiplies them by the incoming scalar gradient.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-# The fused cross-entropy keeps its own copy of this loop for now; its dW accumulation is shared already.
-from liger_lab.ops.fused_linear_cross_entropy import _accumulate_weight_grad as accumulate_weight_grad
 
 ChunkLoss = Callable[[torch.Tensor, slice, bool], None]
 """``chunk_loss(z, rows, write_grad)``: the loss's step for the logits ``z`` of ``hidden[rows]``. It records
@@ -43,6 +41,35 @@ class ChunkGrads:
     bias: bool = False
     weight_grad_dtype: torch.dtype | None = None
     """fp32 for exact accumulation over chunks, or the weight's dtype (one rounding per chunk, no copy)."""
+    hidden_over_input: bool = False
+    """Write dh over ``hidden`` itself, each chunk's rows once that chunk has done reading them (an opt-in
+    in-place backward: no N x H buffer)."""
+
+
+@functools.cache
+def _fused_fp32_addmm(device_type: str) -> bool:
+    """Whether this torch can add a bf16 x bf16 product into an fp32 matrix in one cuBLAS call
+    (``addmm(..., out_dtype=torch.float32)``: CUDA, recent torch)."""
+    acc = torch.zeros(1, 1, device=device_type)
+    half = torch.zeros(1, 1, dtype=torch.bfloat16, device=device_type)
+    try:
+        torch.addmm(acc, half, half, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def accumulate_weight_grad(acc: torch.Tensor, dz_t: torch.Tensor, h: torch.Tensor, scale: float, first: bool) -> None:
+    """acc (+)= scale * dz_t @ h in acc's dtype. The first chunk writes (beta = 0: no zero-fill of a
+    V x H buffer), later ones add (beta = 1, summed with the product in fp32 inside cuBLAS)."""
+    beta = 0 if first else 1
+    if acc.dtype == dz_t.dtype:
+        torch.addmm(acc, dz_t, h, beta=beta, alpha=scale, out=acc)
+    elif _fused_fp32_addmm(acc.device.type):
+        torch.addmm(acc, dz_t, h, beta=beta, alpha=scale, out_dtype=torch.float32, out=acc)
+    else:
+        # Fallback (CPU, older torch): an fp32 product; costs a chunk-sized fp32 copy of dz.
+        torch.addmm(acc, dz_t.float(), h.float(), beta=beta, alpha=scale, out=acc)
 
 
 def chunked_linear_loss(
@@ -64,7 +91,9 @@ def chunked_linear_loss(
     grads = grads or ChunkGrads(hidden=False, weight=False)
     write_grad = grads.hidden or grads.weight or grads.bias
     logits = torch.empty(min(chunk, n_rows), vocab, dtype=hidden.dtype, device=hidden.device)
-    grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if grads.hidden else None
+    grad_h = None
+    if grads.hidden:
+        grad_h = hidden if grads.hidden_over_input else hidden.new_empty(hidden.shape)
     grad_w = None
     if grads.weight:  # the first chunk overwrites dW; with no rows at all nothing does, so start from zero
         dtype = grads.weight_grad_dtype or weight.dtype
@@ -82,6 +111,6 @@ def chunked_linear_loss(
             accumulate_weight_grad(grad_w, z.t(), h, grad_scale, first=start == 0)
         if grad_b is not None:
             grad_b.add_(z.sum(dim=0, dtype=torch.float32), alpha=grad_scale)
-        if grad_h is not None:
+        if grad_h is not None:  # last: over the input it overwrites h, which the dW product has just read
             torch.addmm(grad_h[rows], z, weight, beta=0, alpha=grad_scale, out=grad_h[rows])
     return grad_h, grad_w, grad_b

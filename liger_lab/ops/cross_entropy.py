@@ -38,6 +38,7 @@ import triton.language as tl
 
 from liger_lab import runtime
 from liger_lab.ops.common import as_rows, check_float, in_place_requested, rows_to_overwrite
+from liger_lab.ops.logsumexp import online_lse_step
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -60,8 +61,8 @@ def _cross_entropy_kernel(
     grad_row_ptr = grad_ptr + rows.to(tl.int64) * grad_row_stride
     cols = tl.arange(0, BLOCK_N)
 
-    # Pass 1: running max m and sum s of exp(z - m) over blocks of the row, in fp32. Ignored rows
-    # load nothing (masked), so they cost no bandwidth.
+    # Pass 1: running max m and sum s of exp(z - m) over blocks of the row (liger_lab.ops.logsumexp), in
+    # fp32. Ignored rows load nothing (masked), so they cost no bandwidth.
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
     z_sum = tl.zeros([ROWS], tl.float32)
@@ -74,12 +75,7 @@ def _cross_entropy_kernel(
             z = softcap * (2 * tl.sigmoid(2 * z / softcap) - 1)
         if SMOOTHING:
             z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
-        z = tl.where(mask, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        # A row that has seen nothing yet still has m = -inf: shift by 0 there, not by -inf - -inf = nan.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
-        m = m_new
+        m, s, _, _ = online_lse_step(m, s, tl.where(mask, z, float("-inf")), 1.0)
     lse = tl.where(valid, m + tl.log(tl.where(valid, s, 1.0)), 0.0)
 
     z_target = tl.load(row_ptr + target, mask=valid, other=0.0).to(tl.float32)

@@ -42,10 +42,9 @@ take 39.5 ms where 768 take 41.8.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from liger_lab.ops.chunked import ChunkGrads, ChunkLoss, chunked_linear_loss
 from liger_lab.ops.common import check_float, in_place_requested, rows_to_overwrite
 from liger_lab.ops.cross_entropy import (
     LossOptions,
@@ -102,72 +101,21 @@ def accumulation_dtype(weight: torch.Tensor, accumulation: str) -> torch.dtype:
     return torch.float32 if accumulation == "fp32" else weight.dtype
 
 
-@functools.cache
-def _fused_fp32_addmm(device_type: str) -> bool:
-    """Whether this torch can add a bf16 x bf16 product into an fp32 matrix in one cuBLAS call
-    (``addmm(..., out_dtype=torch.float32)``: CUDA, recent torch)."""
-    acc = torch.zeros(1, 1, device=device_type)
-    half = torch.zeros(1, 1, dtype=torch.bfloat16, device=device_type)
-    try:
-        torch.addmm(acc, half, half, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return True
+def _cross_entropy_chunk(target: torch.Tensor, loss: torch.Tensor, options: LossOptions, row_scale=None) -> ChunkLoss:
+    """The chunk step of :func:`liger_lab.ops.chunked.chunked_linear_loss` for cross-entropy: the row kernel
+    writes each token's fp32 loss into ``loss`` and, when asked, dz over the chunk's logits (times
+    ``row_scale``, one upstream gradient per token, for reduction="none").
 
+    The kernel writes the unscaled dz; the mean's 1 / tokens rides on the loop's ``grad_scale`` (the matmuls'
+    alpha) for free. Folding it into dz instead would underflow fp16 (p / n ~ 1e-9 for n = 8192 tokens and a
+    128k vocabulary; fp16 stops at 6e-8)."""
 
-def _accumulate_weight_grad(acc: torch.Tensor, dz_t: torch.Tensor, h: torch.Tensor, scale: float, first: bool) -> None:
-    """acc (+)= scale * dz_t @ h in acc's dtype. The first chunk writes (beta = 0: no zero-fill of a
-    V x H buffer), later ones add (beta = 1, summed with the product in fp32 inside cuBLAS)."""
-    beta = 0 if first else 1
-    if acc.dtype == dz_t.dtype:
-        torch.addmm(acc, dz_t, h, beta=beta, alpha=scale, out=acc)
-    elif _fused_fp32_addmm(acc.device.type):
-        torch.addmm(acc, dz_t, h, beta=beta, alpha=scale, out_dtype=torch.float32, out=acc)
-    else:
-        # Fallback (CPU, older torch): an fp32 product; costs a chunk-sized fp32 copy of dz.
-        torch.addmm(acc, dz_t.float(), h.float(), beta=beta, alpha=scale, out=acc)
+    def step(z: torch.Tensor, rows: slice, write_grad: bool) -> None:
+        scale = None if row_scale is None else row_scale[rows]
+        grad = z if write_grad else None  # dz over z
+        cross_entropy_rows(z, target[rows], loss[rows], options, grad=grad, row_scale=scale)
 
-
-def _chunk_loop(
-    hidden, weight, bias, target, loss, options, *,
-    chunk, grads, grad_scale=1.0, row_scale=None, grad_h_over_hidden=False,
-):  # fmt: skip
-    """Run every chunk: per-token fp32 losses into ``loss``; when ``grads`` (need_h, need_w, need_b,
-    acc_dtype) is given, also the gradients, scaled by ``grad_scale`` (and ``row_scale`` per token).
-    Returns (dh, dW accumulator, db fp32), None where not needed. ``grad_h_over_hidden`` writes dh
-    into ``hidden`` itself, each chunk's rows once that chunk has done reading them.
-
-    The kernel writes the unscaled dz; ``grad_scale`` (1 / tokens for a mean) rides on the matmuls'
-    alpha for free. Folding it into dz instead would underflow fp16 (p / n ~ 1e-9 for n = 8192 tokens
-    and a 128k vocabulary; fp16 stops at 6e-8)."""
-    n_tokens, vocab = hidden.shape[0], weight.shape[0]
-    need_h, need_w, need_b, acc_dtype = grads or (False, False, False, None)
-    write_grad = need_h or need_w or need_b
-    logits = torch.empty(min(chunk, n_tokens), vocab, dtype=hidden.dtype, device=hidden.device)
-    grad_h = None
-    if need_h:
-        grad_h = hidden if grad_h_over_hidden else torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-    grad_w = None
-    if need_w:  # the first chunk overwrites dW; with no tokens at all nothing does, so start from zero
-        grad_w = (torch.zeros if n_tokens == 0 else torch.empty)(weight.shape, dtype=acc_dtype, device=weight.device)
-    grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_b else None
-    for start in range(0, n_tokens, chunk):
-        end = min(start + chunk, n_tokens)
-        h, z = hidden[start:end], logits[: end - start]
-        if bias is None:
-            torch.mm(h, weight.t(), out=z)
-        else:
-            torch.addmm(bias, h, weight.t(), out=z)
-        scale = None if row_scale is None else row_scale[start:end]
-        grad_z = z if write_grad else None  # dz over z
-        cross_entropy_rows(z, target[start:end], loss[start:end], options, grad=grad_z, row_scale=scale)
-        if need_w:
-            _accumulate_weight_grad(grad_w, z.t(), h, grad_scale, first=start == 0)
-        if need_b:
-            grad_b.add_(z.sum(dim=0, dtype=torch.float32), alpha=grad_scale)
-        if need_h:  # last: with grad_h_over_hidden it overwrites h, which the dW product has just read
-            torch.addmm(grad_h[start:end], z, weight, beta=0, alpha=grad_scale, out=grad_h[start:end])
-    return grad_h, grad_w, grad_b
+    return step
 
 
 def _token_rows(hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,10 +135,10 @@ def _forward(
     precompute = any(needs) and options.reduction != "none"
     grad_scale = 1.0 / max(n_valid, 1) if options.reduction == "mean" else 1.0
     chunk = _chunk(rows, weight, chunk_tokens, needs[0] and precompute and not grad_h_over_hidden)
-    grads = _chunk_loop(
-        rows, weight, bias, flat_target, loss, options, chunk=chunk,
-        grads=(*needs, accumulation_dtype(weight, accumulation)) if precompute else None,
-        grad_scale=grad_scale, grad_h_over_hidden=grad_h_over_hidden,
+    grads = ChunkGrads(*needs, accumulation_dtype(weight, accumulation), hidden_over_input=grad_h_over_hidden)
+    grads = chunked_linear_loss(
+        rows, weight, _cross_entropy_chunk(flat_target, loss, options), chunk=chunk,
+        grads=grads if precompute else None, bias=bias, grad_scale=grad_scale,
     )  # fmt: skip
     return reduce_loss(loss, options.reduction, n_valid, target.shape), *grads
 
@@ -315,9 +263,10 @@ def fused_linear_cross_entropy_backward_op(
     # contiguous(): the kernel reads one scale per row, and loss.sum().backward() hands over an
     # expanded (stride 0) gradient.
     row_scale = grad_loss.reshape(-1).float().contiguous()
-    grad_h, grad_w, grad_b = _chunk_loop(
-        rows, weight, bias, flat_target, loss, options, chunk=_chunk(rows, weight, chunk_tokens, needs[0]),
-        grads=(*needs, accumulation_dtype(weight, accumulation)), row_scale=row_scale,
+    grad_h, grad_w, grad_b = chunked_linear_loss(
+        rows, weight, _cross_entropy_chunk(flat_target, loss, options, row_scale),
+        chunk=_chunk(rows, weight, chunk_tokens, needs[0]),
+        grads=ChunkGrads(*needs, accumulation_dtype(weight, accumulation)), bias=bias,
     )  # fmt: skip
     return _or_empty(grad_h, hidden), _or_empty(grad_w, weight), _or_empty(grad_b, weight)
 
