@@ -261,10 +261,10 @@ def test_reference_matches_trl_style_definition():
 
 def test_chunk_size_follows_the_memory_budget():
     bf16, fp32 = torch.bfloat16, torch.float32
-    # The design shape: 480 MiB less the 64 MiB hidden gradient, over 2 x 128256 x 2 bytes per row: 850 -> 832.
-    assert fljsd_module.chunk_rows_for(8192, 128256, bf16, bf16, other_bytes=64 * 2**20) == 832
-    assert fljsd_module.chunk_rows_for(8192, 128256, bf16, bf16) == 960
-    assert fljsd_module.chunk_rows_for(8192, 128256, bf16, fp32) == 640  # an fp32 teacher's chunk costs twice
+    # The design shape: 832 MiB less the 64 MiB hidden gradient, over 2 x 128256 x 2 bytes per row: 1569 -> 1536.
+    assert fljsd_module.chunk_rows_for(8192, 128256, bf16, bf16, other_bytes=64 * 2**20) == 1536
+    assert fljsd_module.chunk_rows_for(8192, 128256, bf16, bf16) == 1664
+    assert fljsd_module.chunk_rows_for(8192, 128256, bf16, fp32) == 1088  # an fp32 teacher's row costs 1.5x
     assert fljsd_module.chunk_rows_for(8192, 128256, bf16, bf16, budget=2**20) == 64  # never below 64
     assert fljsd_module.chunk_rows_for(100, 32000, bf16, bf16) == 100  # never above the row count
 

@@ -33,9 +33,12 @@ the student's logits and both gradients.
 hidden gradient, and dW_s (fp32 when ``accumulation`` allows, see
 :mod:`liger_lab.ops.fused_linear_cross_entropy`). :data:`CHUNK_BUDGET_BYTES` bounds the first two and the
 hidden gradient together: C is the largest multiple of 64 rows that fits (at least 64, at most N). At N = 8192,
-H = 4096, V = 128256, bf16, the default 480 MiB budget less the 64 MiB hidden gradient gives C = 832 (10
-chunks, each buffer 204 MiB): each of the two buffers gets about what the cross-entropy's single one does, so
-the matmuls keep the same shape and dW (bf16 there: 2 GiB of fp32 does not fit) about as many roundings.
+H = 4096, V = 128256, bf16, the default 832 MiB budget less the 64 MiB hidden gradient gives C = 1536 (6
+chunks, each buffer 376 MiB; dW in bf16 there: 2 GiB of fp32 does not fit). That is larger than the
+cross-entropy's chunk because the JSD kernel gives each row one program: a chunk of a few hundred rows is a
+wave and a half of programs on 132 SMs, and the half-empty last wave costs more than the smaller chunks save.
+Measured on an H200 (benchmarks/results/h200-sweep-fljsd-chunks.json, forward+backward): 832 rows per chunk
+65.4 ms at 1473 MiB, 1320 to 2112 rows 59.4 to 59.9 ms at 1712 to 2099 MiB.
 """
 
 from __future__ import annotations
@@ -54,9 +57,9 @@ from liger_lab.ops.fused_linear_cross_entropy import (
 )
 from liger_lab.ops.jsd import check_jsd_options, jsd_rows
 
-CHUNK_BUDGET_BYTES = 480 * MIB
+CHUNK_BUDGET_BYTES = 832 * MIB
 """Bytes of temporaries per call: the student's and the teacher's chunk of logits, plus the student's hidden
-gradient when it is asked for. Twice the fused cross-entropy's budget: one chunk buffer each."""
+gradient when it is asked for (see the module docstring for the choice)."""
 
 
 def chunk_rows_for(
