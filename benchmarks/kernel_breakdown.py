@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -21,31 +19,12 @@ import liger_lab  # noqa: F401  (chooses GPU or interpreter before triton is imp
 from liger_lab import bench, profiling, runtime
 
 
-def kernel_times(fn, calls: int) -> dict[str, float]:
-    """Milliseconds per call of each kernel (by name) that ``fn()`` launches."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "trace.json"
-        profile.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
-    per_name: dict[str, float] = defaultdict(float)
-    for event in events:
-        if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            per_name[event["name"][:90]] += event["dur"] / 1e3 / calls
-    return dict(sorted(per_name.items(), key=lambda item: -item[1]))
-
-
 def op_kernel_times(op: bench.OpBench, impl: str, calls: int) -> dict[str, float]:
     """Kernel times of one forward+backward of ``impl`` at the protocol shape, in bf16."""
     fn = op.available()[impl]
     inputs = op.make_inputs(op.shape, torch.bfloat16)
     leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    return kernel_times(lambda: torch.autograd.grad(fn(*inputs), leaves), calls)
+    return runtime.kernel_times_ms(lambda: torch.autograd.grad(fn(*inputs), leaves), calls=calls)
 
 
 def main() -> None:
@@ -68,7 +47,7 @@ def main() -> None:
         floor_text = f", matmul floor {floor:.2f} ms" if floor else ""
         print(f"\n{name} {args.impl} {op.shape}: kernels {total:.2f} ms{floor_text}")
         for kernel, ms in list(times.items())[: args.top]:
-            print(f"  {ms:8.3f} ms  {ms / total:5.1%}  {kernel}")
+            print(f"  {ms:8.3f} ms  {ms / total:5.1%}  {kernel[:90]}")
         rows.append({"op": name, "impl": args.impl, "shape": list(op.shape), "kernel_ms": round(total, 3),
                      "floor_ms": floor, "kernels_ms": {k: round(v, 3) for k, v in times.items()},
                      **bench.environment()})  # fmt: skip

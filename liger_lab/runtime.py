@@ -235,13 +235,11 @@ def measure_graph_ms(fn: Callable[[], object], *, rep_ms: float = 100) -> float 
         return None
 
 
-def measure_kernel_sum_ms(fn: Callable[[], object], *, calls: int = 5) -> float | None:
-    """GPU time of ``fn()``: the durations of its kernels, copies and fills under ``torch.profiler``, summed and
-    averaged over ``calls`` calls. For ops that a CUDA graph cannot capture; gaps between kernels (the host
-    launching, a value read back) are not counted, so this is what the GPU spent, not what a user waits.
-    None in the interpreter."""
+def kernel_times_ms(fn: Callable[[], object], *, calls: int = 5) -> dict[str, float]:
+    """Milliseconds per call of each kernel, copy and fill that ``fn()`` runs on the GPU, by name (largest
+    first), from a ``torch.profiler`` trace of ``calls`` calls. Empty in the interpreter."""
     if INTERPRET:
-        return None
+        return {}
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
@@ -252,9 +250,19 @@ def measure_kernel_sum_ms(fn: Callable[[], object], *, calls: int = 5) -> float 
         trace_path = Path(folder) / "trace.json"
         profile.export_chrome_trace(str(trace_path))
         events = json.loads(trace_path.read_text())["traceEvents"]
-    device_work = ("kernel", "gpu_memcpy", "gpu_memset")
-    busy_us = sum(e["dur"] for e in events if e.get("ph") == "X" and e.get("cat") in device_work)
-    return busy_us / 1e3 / calls
+    per_name: dict[str, float] = {}
+    for event in events:
+        if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            per_name[event["name"]] = per_name.get(event["name"], 0.0) + event["dur"] / 1e3 / calls
+    return dict(sorted(per_name.items(), key=lambda item: -item[1]))
+
+
+def measure_kernel_sum_ms(fn: Callable[[], object], *, calls: int = 5) -> float | None:
+    """GPU time of ``fn()``: the durations of its kernels, copies and fills under ``torch.profiler``, summed and
+    averaged over ``calls`` calls. For ops that a CUDA graph cannot capture; gaps between kernels (the host
+    launching, a value read back) are not counted, so this is what the GPU spent, not what a user waits.
+    None in the interpreter."""
+    return None if INTERPRET else sum(kernel_times_ms(fn, calls=calls).values())
 
 
 def timer_label() -> str:

@@ -58,3 +58,14 @@ def test_read_later_returns_the_values():
     values = torch.arange(4, device=runtime.DEVICE) * 3
     read = runtime.read_later(values)
     assert read() == [0, 3, 6, 9]
+
+
+def test_kernel_sum_clock():
+    """The profiler's kernel sum: nothing to profile in the interpreter; on a GPU, the sum of the named kernels."""
+    x = torch.randn(1 << 20, device=runtime.DEVICE)
+    if runtime.INTERPRET:
+        assert runtime.kernel_times_ms(lambda: x * 2) == {} and runtime.measure_kernel_sum_ms(lambda: x * 2) is None
+        return
+    times = runtime.kernel_times_ms(lambda: x * 2, calls=3)
+    assert times and all(ms > 0 for ms in times.values())
+    assert 0 < runtime.measure_kernel_sum_ms(lambda: x * 2, calls=3) < 10 * sum(times.values())
