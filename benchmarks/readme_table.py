@@ -1,8 +1,9 @@
 """Regenerate the benchmark table in README.md from committed result JSON.
 
-``python benchmarks/readme_table.py OPS_JSON [OPS_JSON ...] [--e2e FILE]`` rewrites the part of README.md
-between ``<!-- bench:start -->`` and ``<!-- bench:end -->``. A row of a later ops file replaces the row of
-the same op and implementation in an earlier one. The ``liger_lab`` column is the public call with no
+``python benchmarks/readme_table.py OPS_JSON [OPS_JSON ...] [--e2e FILE] [--section NAME]`` rewrites the part
+of README.md between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` (NAME: ``bench`` by default, ``losses``
+for the distillation and preference losses). A row of a later ops file replaces the row of the same op and
+implementation in an earlier one. The ``liger_lab`` column is the public call with no
 options; an opt-in variant (``liger_lab:in_place_backward``) is a row of its own under its op.
 """
 
@@ -13,16 +14,22 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-IMPLS = ["liger_lab", "liger", "torch_compile", "eager", "cce"]
-HEADERS = {"liger_lab": "liger_lab", "liger": "Liger-Kernel", "torch_compile": "torch.compile", "eager": "eager",
-           "cce": "cut-cross-entropy"}  # fmt: skip
+IMPLS = ["liger_lab", "liger", "liger:chunked", "torch_compile", "eager", "cce"]
+HEADERS = {"liger_lab": "liger_lab", "liger": "Liger-Kernel", "liger:chunked": "Liger-Kernel (chunked loss)",
+           "torch_compile": "torch.compile", "eager": "eager", "cce": "cut-cross-entropy"}  # fmt: skip
+CLOCKS = {
+    "cuda_graph": "CUDA-graph replay",
+    "do_bench": "`do_bench` (CUDA events around each call)",
+    "profiler": "the kernel sum under `torch.profiler`, the wall time of a call in brackets",
+}
 
 
 def _cell(row: dict | None) -> str:
     if row is None:
         return "–"
-    peak = row.get("peak_mib")
-    return f"{row['full_ms']:.3f} ms" + (f", {peak:.0f} MiB" if peak is not None else "")
+    peak, wall = row.get("peak_mib"), row.get("wall_ms")
+    time = f"{row['full_ms']:.3f} ms" + (f" ({wall:.1f})" if wall is not None else "")
+    return time + (f", {peak:.0f} MiB" if peak is not None else "")
 
 
 def ops_table(all_rows: list[dict]) -> str:
@@ -55,11 +62,15 @@ def ops_table(all_rows: list[dict]) -> str:
         )
     first = rows[0]
     versions = ", ".join(f"{k} {first[k]}" for k in ("torch", "triton", "liger_kernel") if k in first)
+    by_clock: dict[str, list[str]] = {}
+    for row in rows:
+        ops_of_clock = by_clock.setdefault(row.get("timer", "do_bench"), [])
+        ops_of_clock += [] if row["op"] in ops_of_clock else [row["op"]]
+    clocks = "; ".join(f"{CLOCKS.get(timer, timer)} for {', '.join(ops)}" for timer, ops in by_clock.items())
     lines.append("")
     lines.append(
-        f"{first.get('gpu', '?')}; {versions}. Median GPU time: CUDA-graph replay for the short ops, `do_bench` for "
-        "cross-entropy and the fused linear cross-entropy (they read a value back to the host and cannot be "
-        "captured). Peak memory: MiB allocated above the inputs during one forward+backward."
+        f"{first.get('gpu', '?')}; {versions}. Median GPU time: {clocks}. Peak memory: MiB allocated above the "
+        "inputs during one forward+backward."
     )
     return "\n".join(lines)
 
@@ -79,6 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("ops_json", type=Path, nargs="+")
     parser.add_argument("--e2e", type=Path, default=None)
+    parser.add_argument("--section", default="bench", help="the README's marked section to rewrite")
     args = parser.parse_args()
     rows: dict[tuple, dict] = {}
     for path in args.ops_json:
@@ -91,7 +103,7 @@ def main() -> None:
         text += "\n\nEnd to end (Llama-style 1.5B, AdamW, bf16):\n\n" + e2e_table(json.loads(args.e2e.read_text()))
     readme = ROOT / "README.md"
     content = readme.read_text()
-    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
+    start, end = f"<!-- {args.section}:start -->", f"<!-- {args.section}:end -->"
     head, rest = content.split(start, 1)
     _, tail = rest.split(end, 1)
     readme.write_text(f"{head}{start}\n{text}\n{end}{tail}")

@@ -40,13 +40,14 @@ def row(name: str, **match: object) -> dict:
 
 def source(name: str, timer: str | None = None) -> str:
     """Where the numbers of ``name`` come from, in one line: GPU, versions, date, clock and file."""
-    first = load(name)[0]
+    rows = load(name)
+    first = rows[0]
     versions = ", ".join(
         f"{label} {first[key]}"
         for key, label in (("torch", "torch"), ("triton", "Triton"), ("liger_kernel", "Liger-Kernel"))
         if key in first
     )
-    clock = timer or first.get("timer")
+    clock = timer or next((row["timer"] for row in rows if row.get("timer")), None)  # ceiling rows have none
     parts = [first.get("gpu", "unknown GPU"), versions, first.get("date", "undated")]
     clock_text = f"; {TIMERS.get(clock, clock)}" if clock else ""
     return f"{', '.join(part for part in parts if part)}{clock_text} ({name})"

@@ -76,6 +76,19 @@ def test_non_contiguous_logits(layout):
     assert _check(z, t, prepare=layout, label_smoothing=0.1)
 
 
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_confident_tokens_keep_their_digits_at_large_logits(label_smoothing):
+    """Logits near 100, the target 12 above the rest: a token's loss is about 1e-2. Written lse - z_target it
+    carries lse's rounding at 100 (about 4e-6 here); as (max - z_target) + log(sum) it stays within 2e-6 (PyTorch's
+    fp32 log_softmax: about 5e-7; label smoothing's mean of the row adds its own rounding)."""
+    target = torch.randint(0, 500, (64,), device=runtime.DEVICE)
+    z = randn(64, 500) + 100.0
+    z[torch.arange(64), target] += 12.0
+    loss = liger_lab.cross_entropy(z, target, reduction="none", label_smoothing=label_smoothing)
+    expected = reference.cross_entropy(z.double(), target, reduction="none", label_smoothing=label_smoothing)
+    assert (loss.double() - expected).abs().max().item() < 2e-6
+
+
 def test_huge_logits_stay_finite_and_exact():
     z = randn(16, 1000, scale=1e4)
     t = targets((16,), 1000)

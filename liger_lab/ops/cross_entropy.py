@@ -76,14 +76,18 @@ def _cross_entropy_kernel(
         if SMOOTHING:
             z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
         m, s, _, _ = online_lse_step(m, s, tl.where(mask, z, float("-inf")), 1.0)
-    lse = tl.where(valid, m + tl.log(tl.where(valid, s, 1.0)), 0.0)
+    m = tl.where(valid, m, 0.0)
+    log_s = tl.log(tl.where(valid, s, 1.0))
+    lse = m + log_s
 
     z_target = tl.load(row_ptr + target, mask=valid, other=0.0).to(tl.float32)
     if SOFTCAP:
         z_target = softcap * (2 * tl.sigmoid(2 * z_target / softcap) - 1)
-    loss = lse - z_target
+    # (m - z_target) + log s, not lse - z_target: with logits of 100 lse rounds to 1e-5, more than the loss of a
+    # confident token; m - z_target is exact when the target is the row's max, and log s is at most log V.
+    loss = (m - z_target) + log_s
     if SMOOTHING:
-        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - z_sum / n_cols)
+        loss = (1 - label_smoothing) * loss + label_smoothing * ((m - z_sum / n_cols) + log_s)
     if Z_LOSS:
         loss += z_loss_scale * lse * lse
     tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
