@@ -52,20 +52,24 @@ def ops_table(all_rows: list[dict]) -> str:
                 variant = ours.split(":", 1)[1]
                 cells = [_cell(by_impl[ours])] + [""] * (len(impls) - 1)
                 lines.append(f"| {op}, `{variant}=True` | " + " | ".join(cells) + f" | {ratio} |")
-    ceilings = {r["op"]: r for r in all_rows if r["op"].startswith("ceiling")}
-    if ceilings:
+    runs = list(dict.fromkeys(r.get("run") for r in all_rows if r["op"].startswith("ceiling")))
+    for run in runs:  # one run, or several (a file's "run" field), each with the ceilings of its own process
+        ceilings = {r["op"]: r for r in all_rows if r["op"].startswith("ceiling") and r.get("run") == run}
         copy, matmul = ceilings.get("ceiling_copy", {}), ceilings.get("ceiling_matmul_bf16", {})
+        which = "the same run" if run is None else f"the {run} run"
         lines.append("")
         lines.append(
-            f"Ceilings measured in the same run: copy {copy.get('gbs', 0):.0f} GB/s, bf16 matmul "
+            f"Ceilings measured in {which}: copy {copy.get('gbs', 0):.0f} GB/s, bf16 matmul "
             f"{matmul.get('tflops', 0):.0f} TFLOP/s."
         )
     first = rows[0]
     versions = ", ".join(f"{k} {first[k]}" for k in ("torch", "triton", "liger_kernel") if k in first)
     by_clock: dict[str, list[str]] = {}
-    for row in rows:
+    for row in rows:  # an op whose rows used different clocks is named with its implementation
+        mixed = len({r.get("timer") for r in rows if r["op"] == row["op"]}) > 1
+        name = f"{row['op']} ({row['impl']})" if mixed else row["op"]
         ops_of_clock = by_clock.setdefault(row.get("timer", "do_bench"), [])
-        ops_of_clock += [] if row["op"] in ops_of_clock else [row["op"]]
+        ops_of_clock += [] if name in ops_of_clock else [name]
     clocks = "; ".join(f"{CLOCKS.get(timer, timer)} for {', '.join(ops)}" for timer, ops in by_clock.items())
     lines.append("")
     lines.append(
@@ -95,7 +99,8 @@ def main() -> None:
     rows: dict[tuple, dict] = {}
     for path in args.ops_json:
         for row in json.loads(path.read_text()):
-            rows[(row["op"], row.get("impl"), row.get("sweep"), row.get("tokens"), row.get("hidden"))] = row
+            key = (row["op"], row.get("impl"), row.get("sweep"), row.get("tokens"), row.get("hidden"), row.get("run"))
+            rows[key] = row
     text = ops_table(list(rows.values()))
     names = ", ".join(f"`{p.relative_to(ROOT) if p.is_absolute() else p}`" for p in args.ops_json)
     text += f"\n\nRaw rows: {names}."
