@@ -371,6 +371,45 @@ class _BoundForward:
         return f"<liger_lab forward of {type(self.__self__).__name__}>"
 
 
+def _fused_loss_fallback(head: nn.Module) -> str | None:
+    """Why the fused loss cannot take this ``lm_head``'s weight and bias (then the logits are materialised), or
+    None when it can: an ``nn.Linear`` or a subclass that keeps its forward (FSDP2's ``FSDPLinear``)."""
+    if not isinstance(head, nn.Linear):
+        return f"lm_head is a {type(head).__name__}, not an nn.Linear (an adapter or a quantized layer on it?)"
+    if type(head).forward is not nn.Linear.forward:
+        return f"lm_head's class {type(head).__name__} overrides nn.Linear.forward"
+    return None
+
+
+_REPORTED_FALLBACKS: set[tuple[str, str]] = set()
+
+
+def _report_fallback(model_class: str, reason: str) -> None:
+    """Warn, once per model class and reason, that the fused loss does not run: never a silent fallback."""
+    if (model_class, reason) not in _REPORTED_FALLBACKS:
+        _REPORTED_FALLBACKS.add((model_class, reason))
+        message = f"liger_lab: {model_class}'s loss materialises the logits, the fused loss cannot run: {reason}"
+        warnings.warn(message, stacklevel=4)
+
+
+def _as_forward_of(module: nn.Module, compute: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
+    """``compute(x)`` run as ``module``'s forward when hooks surround the module's call, else directly.
+
+    A sharded ``lm_head`` (FSDP2's ``fully_shard(model.lm_head)``) holds a shard of its weight outside its
+    call: the hooks FSDP2 registers gather the full weight before the forward and reshard it after, and
+    again around the backward, where they also reduce-scatter its gradient. The fused loss reads the weight
+    without calling the module, so it borrows the call: the module's ``forward`` is ``compute`` for the
+    duration, and the hooks run around it as around the matmul they expected (casting ``x`` too, under a
+    mixed-precision policy). A module without hooks (every single-GPU model) is not touched."""
+    if not (module._forward_hooks or module._forward_pre_hooks):
+        return compute(x)
+    module.forward = compute
+    try:
+        return module(x)
+    finally:
+        del module.forward
+
+
 def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, Any], *, fused: bool):
     """transformers' causal-LM forward with the loss computed by liger_lab's kernels."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -398,25 +437,32 @@ def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, A
     softcap = getattr(self.config, "final_logit_softcapping", None)
 
     head, logits = self.lm_head, None
-    if fused and type(head) is nn.Linear:
-        weight, bias = head.weight, head.bias
-        dtype = _autocast_dtype(hidden.device)
-        if dtype is not None:  # what autocast would have done to the lm_head's matmul
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        loss = flce_ops.fused_linear_cross_entropy(
-            hidden,
-            weight,
-            target,
-            bias,
-            ignore_index=ignore_index,
-            reduction=reduction,
-            softcap=softcap,
-            loss_dtype=torch.float32,
-            # The final norm's output is read by this loss alone, unless the caller asked for the hidden
-            # states (they include it): then it must stay intact.
-            in_place_backward=not isinstance(outputs, tuple) and getattr(outputs, "hidden_states", None) is None,
-        )
+    fallback = _fused_loss_fallback(head) if fused else None
+    if fallback is not None:
+        _report_fallback(type(self).__name__, fallback)
+    if fused and fallback is None:
+
+        def fused_loss(hidden: torch.Tensor) -> torch.Tensor:
+            weight, bias = head.weight, head.bias
+            dtype = _autocast_dtype(hidden.device)
+            if dtype is not None:  # what autocast would have done to the lm_head's matmul
+                hidden, weight = hidden.to(dtype), weight.to(dtype)
+                bias = None if bias is None else bias.to(dtype)
+            return flce_ops.fused_linear_cross_entropy(
+                hidden,
+                weight,
+                target,
+                bias,
+                ignore_index=ignore_index,
+                reduction=reduction,
+                softcap=softcap,
+                loss_dtype=torch.float32,
+                # The final norm's output is read by this loss alone, unless the caller asked for the hidden
+                # states (they include it): then it must stay intact.
+                in_place_backward=not isinstance(outputs, tuple) and getattr(outputs, "hidden_states", None) is None,
+            )
+
+        loss = _as_forward_of(head, fused_loss, hidden)
     else:
         logits = head(kept)
         if softcap is not None:
