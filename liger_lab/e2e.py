@@ -56,6 +56,9 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     # 1498M parameters: the model of the end-to-end benchmark.
     "1.5b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256),
+    # 8.0B parameters, Llama-3-8B's shape: the multi-GPU (FSDP2) benchmark.
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
     # 0.2M parameters with odd sizes: small enough to train in Triton's interpreter.
     "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1000),
