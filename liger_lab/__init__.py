@@ -11,7 +11,7 @@ from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
 from liger_lab.ops.jsd import jsd
 from liger_lab.ops.layer_norm import layer_norm
 from liger_lab.ops.preference import fused_linear_dpo, fused_linear_orpo, fused_linear_simpo
-from liger_lab.ops.rms_norm import rms_norm
+from liger_lab.ops.rms_norm import add_rms_norm, rms_norm
 from liger_lab.ops.rope import apply_rotary_pos_emb, rope
 from liger_lab.ops.swiglu import geglu, swiglu
 from liger_lab.patching import patch, unpatch
@@ -24,6 +24,7 @@ __all__ = [
     "exercises",
     "layer_norm",
     "rms_norm",
+    "add_rms_norm",
     "rope",
     "runtime",
     "swiglu",

@@ -23,6 +23,21 @@ def rms_norm(
     return (offset + weight) * h.to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm decoder's residual add and the norm after it: ``s = x + residual`` in the inputs' dtype (the
+    residual stream, ``hidden = residual + hidden``), then ``(rms_norm(s), s)``."""
+    s = x + residual
+    return rms_norm(s, weight, eps, offset=offset, casting_mode=casting_mode), s
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 

@@ -14,11 +14,12 @@ from liger_lab.nn.losses import (
     FusedLinearSimPOLoss,
 )
 from liger_lab.nn.mlp import GeGLUMLP, SwiGLUMLP
-from liger_lab.nn.norms import LayerNorm, RMSNorm
+from liger_lab.nn.norms import AddRMSNorm, LayerNorm, RMSNorm
 
 __all__ = [
     "LayerNorm",
     "RMSNorm",
+    "AddRMSNorm",
     "SwiGLUMLP",
     "GeGLUMLP",
     "CrossEntropyLoss",

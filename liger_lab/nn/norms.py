@@ -1,4 +1,5 @@
-"""Normalisation modules: drop-ins for Hugging Face's RMSNorm classes and ``torch.nn.LayerNorm``."""
+"""Normalisation modules: drop-ins for Hugging Face's RMSNorm classes and ``torch.nn.LayerNorm``, and the
+residual add fused into an RMSNorm."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from liger_lab.ops.layer_norm import layer_norm
-from liger_lab.ops.rms_norm import rms_norm
+from liger_lab.ops.rms_norm import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -42,6 +43,43 @@ class RMSNorm(nn.Module):
         return rms_norm(
             hidden_states, self.weight, self.variance_epsilon, offset=self.offset, casting_mode=self.casting_mode,
             in_place_backward=self.in_place_backward,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}, casting={self.casting_mode}"
+
+
+class AddRMSNorm(nn.Module):
+    """A pre-norm decoder's residual add and the RMSNorm after it, one kernel each way: ``module(x, residual)``
+    returns ``(norm(x + residual), x + residual)``, the next sublayer's input and the new residual stream.
+
+    Parameters, defaults and state dict are :class:`RMSNorm`'s (and so ``LlamaRMSNorm``'s, or ``GemmaRMSNorm``'s
+    with ``offset=1.0, casting_mode="gemma"``): a model's norm weights load unchanged. It is not an RMSNorm
+    drop-in (it takes two inputs and returns two), and it has no in-place backward: the sum's gradient also
+    flows on along the residual stream.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        offset: float = 0.0,
+        casting_mode: str = "llama",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        init = torch.zeros if offset else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+        self.offset = offset
+        self.casting_mode = casting_mode
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(
+            hidden_states, residual, self.weight, self.variance_epsilon, offset=self.offset,
+            casting_mode=self.casting_mode,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

@@ -89,6 +89,12 @@ def _norm_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
     return [_randn(shape, dtype), weight]
 
 
+def _add_norm_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
+    """The sublayer output x, the residual stream and the norm weight."""
+    x, weight = _norm_inputs(shape, dtype)
+    return [x, _randn(shape, dtype), weight]
+
+
 def _layer_norm_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
     return [*_norm_inputs(shape, dtype), _randn(shape[-1:], dtype, scale=0.1)]
 
@@ -179,6 +185,16 @@ OPS: dict[str, OpSpec] = {
             "rms_norm", _norm_inputs, ("x", "weight"), ("x", "weight"), **_NORM,
             operators=("rms_norm", "rms_norm_backward", "rms_norm_backward_"),
             fwd_passes=2, full_passes=5, variants=_IN_PLACE, liger=("liger_rms_norm", {"eps": 1e-6}),
+        ),
+        OpSpec(
+            "add_rms_norm", _add_norm_inputs, ("x", "residual", "weight"), ("x", "residual", "weight"), **_NORM,
+            operators=("add_rms_norm", "add_rms_norm_backward"),
+            # Forward: read x and residual, write s and y (4). Backward: read dy, ds and s, write the one gradient
+            # that x and residual share (4). An add then rms_norm moves 11: 3 + 2 forward, then 3 for the norm's
+            # backward and 3 more for autograd's ds + (norm's dx).
+            fwd_passes=4, full_passes=8,
+            # Same arguments and outputs, (y, s); its default in_place=True writes dx over dy, as liger_rms_norm's.
+            liger=("liger_fused_add_rms_norm", {"eps": 1e-6}),
         ),
         OpSpec(
             "layer_norm", _layer_norm_inputs, ("x", "weight", "bias"), ("x", "weight", "bias"), **_NORM,
