@@ -75,6 +75,14 @@ class _Family:
     # gradient. Never a norm whose output is added to the residual stream (Gemma 2's post-norms): the
     # residual branch reads that same gradient tensor.
     in_place_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    mlp: bool = True  # a dense gated MLP class (a mixture of experts alone has none: Mixtral)
+    rope: bool = True  # rotate_half RoPE, the fused kernel's (GLM-4 rotates interleaved pairs instead)
+    module: str | None = None  # the modeling module, when its name is not the model type (gemma3_text)
+
+    @property
+    def pieces(self) -> tuple[str, ...]:
+        """Class-name suffixes of the pieces this family has fused versions of."""
+        return tuple(s for s, has in (("RMSNorm", True), ("MLP", self.mlp), ("Attention", self.rope)) if has)
 
 
 FAMILIES: dict[str, _Family] = {
@@ -88,6 +96,17 @@ FAMILIES: dict[str, _Family] = {
         in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
     ),
     "phi3": _Family("Phi3", fused_gate_up=True),
+    "gemma3_text": _Family(
+        "Gemma3", gemma_norm=True, act_attr="hidden_activation", module="gemma3",
+        in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
+    ),
+    "qwen3_moe": _Family("Qwen3Moe"),  # experts (fused 3-D weights) and router left as they are
+    "mixtral": _Family("Mixtral", mlp=False),
+    # Norms after attention and after the MLP, each output added to the residual: none may reuse its gradient.
+    "olmo2": _Family("Olmo2", in_place_norms=()),
+    "granite": _Family("Granite"),  # its logits are divided by config.logits_scaling, in the loss too
+    "smollm3": _Family("SmolLM3"),  # some layers skip RoPE: they never call apply_rotary_pos_emb
+    "glm4": _Family("Glm4", fused_gate_up=True, rope=False),
 }  # fmt: skip
 """Model types (``config.model_type``) that :func:`patch` supports."""
 
@@ -99,7 +118,8 @@ def _family(model_type: object) -> _Family:
 
 
 def _modeling(model_type: str) -> types.ModuleType:
-    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    module = FAMILIES[model_type].module or model_type if model_type in FAMILIES else model_type
+    return importlib.import_module(f"transformers.models.{module}.modeling_{module}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -317,6 +337,11 @@ def _causal_lm_forward(original: Callable[..., Any], *, fused: bool, cross_entro
         use_fused = fused and (self.training if skip_logits is None else skip_logits)
         if not use_fused and not cross_entropy:
             return original(self, *args, **kwargs)
+        router_logits = bound.arguments.get("output_router_logits")
+        if router_logits or (router_logits is None and getattr(self.config, "output_router_logits", False)):
+            # A mixture of experts adding its router's load-balancing loss: transformers' forward, said aloud.
+            _report_fallback(type(self).__name__, "output_router_logits adds the router's load-balancing loss")
+            return original(self, *args, **kwargs)
         arguments = dict(bound.arguments)
         del arguments[next(iter(signature.parameters))]  # self
         extra = arguments.pop(var_keyword, {}) if var_keyword else {}
@@ -435,6 +460,9 @@ def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, A
     num_items = loss_kwargs.get("num_items_in_batch")
     reduction = "mean" if num_items is None else "sum"
     softcap = getattr(self.config, "final_logit_softcapping", None)
+    logits_scaling = getattr(self.config, "logits_scaling", None)  # Granite: logits = lm_head(h) / scaling
+    if logits_scaling is not None and logits_scaling != 1:
+        kept, hidden = kept / logits_scaling, hidden / logits_scaling  # the same logits, by linearity
 
     head, logits = self.lm_head, None
     fallback = _fused_loss_fallback(head) if fused else None
@@ -587,7 +615,7 @@ def _fused_classes(family: _Family, modeling: types.ModuleType, options: _Option
     return {
         family.prefix + suffix: _fused_piece(family, modeling, suffix)
         for suffix, option in _PIECES.items()
-        if getattr(options, option)
+        if getattr(options, option) and suffix in family.pieces
     }
 
 
@@ -595,7 +623,7 @@ def _patch_family(model_type: str, options: _Options) -> None:
     family, modeling = _family(model_type), _modeling(model_type)
     record = _FAMILY_PATCHES[model_type] = _FamilyPatch()
     replacements = [(modeling, name, fused) for name, (_, fused) in _fused_classes(family, modeling, options).items()]
-    if options.rope:
+    if options.rope and family.rope:
         replacements.append((modeling, "apply_rotary_pos_emb", _rope_dispatcher(modeling)))
     if options.loss:
         forward = _loss_forward_of(model_type, options.fused_linear_cross_entropy, options.cross_entropy)
@@ -617,7 +645,7 @@ def _patch_model(model: nn.Module, options: _Options) -> None:
     family, modeling = _family(model_type), _modeling(model_type)
     classes = _fused_classes(family, modeling, options)
     activation = getattr(model.config, family.act_attr, None)
-    if options.swiglu and _gated_kernel(activation) is None:
+    if options.swiglu and family.mlp and _gated_kernel(activation) is None:
         warnings.warn(f"no fused kernel for the MLP activation {activation!r}: the MLP stays as it is", stacklevel=3)
         del classes[f"{family.prefix}MLP"]
     fused_of = dict(classes.values())
@@ -628,7 +656,7 @@ def _patch_model(model: nn.Module, options: _Options) -> None:
         module.__class__ = fused
         if fused.__name__.endswith("RMSNorm") and name.rpartition(".")[2] in family.in_place_norms:
             module.in_place_backward = True
-    if options.rope:
+    if options.rope and family.rope:
         _hold(modeling, "apply_rotary_pos_emb", _rope_dispatcher(modeling), model)
     causal_lm = _causal_lm(family, modeling)
     # A subclass with its own forward, or a family patched at class level, keeps the forward it has.
@@ -657,7 +685,7 @@ def __getattr__(name: str) -> type:
     """The fused classes by name (``FusedLlamaRMSNorm``, ...), made on demand: pickle looks up the class of a
     patched module here, also in a process that has patched nothing yet."""
     for model_type, family in FAMILIES.items():
-        for suffix in _PIECES:
+        for suffix in family.pieces:
             if name == f"Fused{family.prefix}{suffix}":
                 try:
                     modeling = _modeling(model_type)

@@ -31,7 +31,17 @@ FAMILY_CONFIG = {
     "gemma": {},  # (1 + w) RMSNorm, GeGLU, tied embeddings
     "gemma2": {"final_logit_softcapping": 2.0, "query_pre_attn_scalar": 8, "sliding_window": 4},
     "phi3": {"partial_rotary_factor": 0.5},  # fused gate_up_proj, half the head dims rotate
-}
+    "gemma3_text": {"query_pre_attn_scalar": 8, "sliding_window": 4, "final_logit_softcapping": 2.0},
+    # A mixture-of-experts layer, then a dense one (Qwen3MoeMLP): experts and router stay transformers'.
+    "qwen3_moe": {"num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                  "mlp_only_layers": [1]},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},  # experts only: no dense MLP to fuse
+    "olmo2": {},  # norms after attention and MLP; q_norm / k_norm over all heads
+    "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3,
+                "logits_scaling": 4.0},
+    "smollm3": {"num_hidden_layers": 2, "no_rope_layers": [1, 0]},  # the second layer has no RoPE
+    "glm4": {"partial_rotary_factor": 0.5},  # interleaved RoPE: not fused; fused gate_up_proj, post norms
+}  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -95,12 +105,23 @@ def fused_class_names(model) -> set[str]:
 def test_every_family_trains_like_transformers(model_type):
     reference = tiny_model(model_type)
     model = liger_lab.patch(copy.deepcopy(reference))
-    prefix = patching.FAMILIES[model_type].prefix
-    assert fused_class_names(model) == {f"Fused{prefix}{piece}" for piece in ("RMSNorm", "MLP", "Attention")}
+    family = patching.FAMILIES[model_type]
+    assert fused_class_names(model) == {f"Fused{family.prefix}{piece}" for piece in family.pieces}
     assert "forward" in model.__dict__
     ours, _ = assert_same_training_step(model, reference, *batch())
     assert ours.logits is None  # the fused loss never built them
     liger_lab.unpatch(model)
+
+
+def test_router_load_balancing_loss_runs_transformers_forward_and_says_so():
+    """Mixtral with output_router_logits adds the router's auxiliary loss, which the fused loss does not
+    compute: the patched model runs transformers' loss (the same numbers) and warns, once."""
+    reference = tiny_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.1)
+    model = liger_lab.patch(copy.deepcopy(reference))
+    patching._REPORTED_FALLBACKS.clear()
+    with pytest.warns(UserWarning, match="materialises the logits.*load-balancing"):
+        ours, _ = assert_same_training_step(model, reference, *batch())
+    assert ours.aux_loss is not None and ours.logits is not None
 
 
 def test_eval_mode_returns_logits_and_transformers_loss():
