@@ -15,6 +15,7 @@ from liger_lab.ops.rms_norm import add_rms_norm, rms_norm
 from liger_lab.ops.rope import apply_rotary_pos_emb, rope
 from liger_lab.ops.swiglu import geglu, swiglu
 from liger_lab.patching import patch, unpatch
+from liger_lab.patching import report as patch_report
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "swiglu",
     "geglu",
     "patch",
+    "patch_report",
     "unpatch",
     "cross_entropy",
     "fused_linear_cross_entropy",

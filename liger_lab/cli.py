@@ -24,6 +24,7 @@ from tqdm import tqdm
 from liger_lab import bench, checks, e2e, profiling, runtime
 from liger_lab.e2e import DTYPES
 from liger_lab.ops.table import OPS as TABLE
+from liger_lab.patching import FAMILIES
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 IMPLS = list(dict.fromkeys(impl for op in bench.OPS.values() for impl in op.impls))
@@ -172,6 +173,24 @@ def check(ops: tuple[str, ...], verbose: bool) -> None:
     click.echo(f"\n{len(results) - len(failed)} passed, {len(failed)} failed")
     if failed:
         sys.exit(1)
+
+
+@main.command(name="patch", short_help="What liger_lab.patch fuses in a model family, and what it leaves alone.")
+@click.argument("model_type", type=click.Choice(sorted(FAMILIES)))
+@click.option("--dry-run", is_flag=True, required=True, help="Patch a tiny random model of the family and report.")
+def patch_command(model_type: str, dry_run: bool) -> None:
+    """Build a tiny random MODEL_TYPE model (nothing downloaded), patch it and print what was fused, per kind
+    and count, and what was left alone and why. A family whose transformers classes no longer match fails
+    here with the error patching would raise."""
+    import transformers
+
+    import liger_lab
+
+    sizes = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)  # fmt: skip
+    config = transformers.AutoConfig.for_model(model_type, **sizes)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    click.echo(liger_lab.patch_report(liger_lab.patch(model)))
 
 
 @main.group(name="bench", short_help="Benchmark single ops or end-to-end training.")

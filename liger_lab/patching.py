@@ -348,6 +348,7 @@ def _causal_lm_forward(original: Callable[..., Any], *, fused: bool, cross_entro
         return _loss_forward(self, arguments, extra, fused=use_fused)
 
     forward.liger_lab_patched = True
+    forward.liger_lab_fused = fused
     return forward
 
 
@@ -572,6 +573,58 @@ def unpatch(model_or_model_type: _M) -> _M:
     else:
         _unpatch_model(_unwrap(model_or_model_type))
     return model_or_model_type
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    """What :func:`patch` did to one model: the modules now fused, counted per kind, and what it left alone
+    and why. ``str()`` prints it as a table."""
+
+    model_type: str
+    replaced: dict[str, int]
+    left_alone: dict[str, str]
+
+    def __str__(self) -> str:
+        lines = [f"liger_lab patch of a {self.model_type} model"]
+        lines += [f"  fused      {kind:<34}{count:>3}" for kind, count in self.replaced.items()]
+        lines += [f"  left alone {kind:<34}{why}" for kind, why in self.left_alone.items()]
+        return "\n".join(lines)
+
+
+def report(model: nn.Module) -> PatchReport:
+    """The :class:`PatchReport` of a model (a PEFT wrapper is looked through), patched or not."""
+    model = _unwrap(model)
+    model_type = getattr(model.config, "model_type", None)
+    family = _family(model_type)
+    replaced: dict[str, int] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        if name.startswith(f"Fused{family.prefix}"):
+            kind = name.removeprefix(f"Fused{family.prefix}")
+            kind = {"RMSNorm": "RMSNorm", "MLP": "gated MLP (SwiGLU/GeGLU)", "Attention": "attention (RoPE)"}[kind]
+            replaced[kind] = replaced.get(kind, 0) + 1
+    left_alone: dict[str, str] = {}
+    mlp_names = (f"{family.prefix}MLP", f"Fused{family.prefix}MLP")
+    if not any(type(module).__name__ in mlp_names for module in model.modules()):
+        left_alone["MLP"] = "no dense MLP (a mixture of experts): experts and router stay transformers'"
+    elif not replaced.get("gated MLP (SwiGLU/GeGLU)"):
+        activation = getattr(model.config, family.act_attr, None)
+        no_kernel = f"activation {activation!r} has no fused kernel"
+        left_alone["MLP"] = no_kernel if _gated_kernel(activation) is None else "not patched (swiglu=False?)"
+    if not family.rope:
+        left_alone["RoPE"] = "interleaved pairs, which the fused kernel does not rotate"
+    forward = model.__dict__.get("forward")
+    loss_forward = forward.__func__ if isinstance(forward, _BoundForward) else type(model).forward
+    fused = getattr(loss_forward, "liger_lab_fused", None)  # None: transformers' own forward
+    fallback = _fused_loss_fallback(model.lm_head) if isinstance(getattr(model, "lm_head", None), nn.Module) else (
+        "the model has no lm_head module")  # fmt: skip
+    if fused and fallback is None:
+        replaced["loss (fused linear cross-entropy)"] = 1
+    elif fused:
+        left_alone["loss"] = f"logits materialised: {fallback}"
+    else:
+        left_alone["loss"] = "transformers' own" if fused is None else "from logits (fused_linear_cross_entropy=False)"
+    return PatchReport(model_type, replaced, left_alone)
 
 
 def _unwrap(model: object) -> nn.Module:

@@ -225,3 +225,10 @@ def test_benchmark_modes_each_run_in_a_child_process_of_their_own(tmp_path, monk
     assert rows[1]["mode"] == "broken" and "no row for this mode" in rows[1]["error"]
     per_mode.write_rows(rows, str(tmp_path / "rows.json"))
     assert json.loads((tmp_path / "rows.json").read_text()) == rows
+
+
+def test_patch_dry_run_reports_a_family():
+    result = CliRunner().invoke(cli.main, ["patch", "mixtral", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "fused      RMSNorm" in result.output and "experts and router stay" in result.output
+    assert CliRunner().invoke(cli.main, ["patch", "bert", "--dry-run"]).exit_code != 0  # not a family

@@ -329,3 +329,19 @@ def test_unsupported_models_raise():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         liger_lab.unpatch(tiny_model("llama"))  # unpatching an unpatched model changes nothing
+
+
+def test_patch_report_counts_what_was_fused_and_says_what_was_left_alone():
+    model = tiny_model("llama")
+    assert liger_lab.patch_report(model).left_alone["loss"] == "transformers' own"
+    report = liger_lab.patch_report(liger_lab.patch(model))
+    assert report.replaced == {
+        "attention (RoPE)": 1, "gated MLP (SwiGLU/GeGLU)": 1, "RMSNorm": 3, "loss (fused linear cross-entropy)": 1,
+    }  # fmt: skip
+    assert report.left_alone == {} and "RMSNorm" in str(report)
+    glm = liger_lab.patch_report(liger_lab.patch(tiny_model("glm4")))
+    assert "interleaved" in glm.left_alone["RoPE"] and "attention (RoPE)" not in glm.replaced
+    mixtral = liger_lab.patch_report(liger_lab.patch(tiny_model("mixtral")))
+    assert "experts" in mixtral.left_alone["MLP"]
+    model.lm_head = torch.nn.Sequential(model.lm_head)  # what the fused loss cannot take is named
+    assert "lm_head is a Sequential" in liger_lab.patch_report(model).left_alone["loss"]
