@@ -78,18 +78,22 @@ class _Family:
     mlp: bool = True  # a dense gated MLP class (a mixture of experts alone has none: Mixtral)
     rope: bool = True  # rotate_half RoPE, the fused kernel's (GLM-4 rotates interleaved pairs instead)
     module: str | None = None  # the modeling module, when its name is not the model type (gemma3_text)
+    # A decoder layer written exactly as Llama's (norm, attention, add, norm, MLP, add): the add before the MLP's
+    # norm is fused into it (add_rms_norm).
+    add_norm: bool = False
 
     @property
     def pieces(self) -> tuple[str, ...]:
         """Class-name suffixes of the pieces this family has fused versions of."""
-        return tuple(s for s, has in (("RMSNorm", True), ("MLP", self.mlp), ("Attention", self.rope)) if has)
+        has = {"RMSNorm": True, "MLP": self.mlp, "Attention": self.rope, "DecoderLayer": self.add_norm}
+        return tuple(suffix for suffix, present in has.items() if present)
 
 
 FAMILIES: dict[str, _Family] = {
-    "llama": _Family("Llama"),
-    "mistral": _Family("Mistral"),
-    "qwen2": _Family("Qwen2"),
-    "qwen3": _Family("Qwen3"),
+    "llama": _Family("Llama", add_norm=True),
+    "mistral": _Family("Mistral", add_norm=True),
+    "qwen2": _Family("Qwen2", add_norm=True),
+    "qwen3": _Family("Qwen3", add_norm=True),
     "gemma": _Family("Gemma", gemma_norm=True),
     "gemma2": _Family(
         "Gemma2", gemma_norm=True, act_attr="hidden_activation",
@@ -105,7 +109,7 @@ FAMILIES: dict[str, _Family] = {
     # Norms after attention and after the MLP, each output added to the residual: none may reuse its gradient.
     "olmo2": _Family("Olmo2", in_place_norms=()),
     "granite": _Family("Granite"),  # its logits are divided by config.logits_scaling, in the loss too
-    "smollm3": _Family("SmolLM3"),  # some layers skip RoPE: they never call apply_rotary_pos_emb
+    "smollm3": _Family("SmolLM3", add_norm=True),  # some layers skip RoPE: they never call apply_rotary_pos_emb
     "glm4": _Family("Glm4", fused_gate_up=True, rope=False),
 }  # fmt: skip
 """Model types (``config.model_type``) that :func:`patch` supports."""
@@ -233,6 +237,24 @@ def _mlp_class(family: _Family, original: type) -> type:
             gate, up = self.gate_proj(x), self.up_proj(x)
         # gate and up are fresh projection outputs read by nothing else: the backward may overwrite them.
         return self.down_proj(kernel(gate, up, in_place_backward=True))
+
+    return _fused_subclass(original, forward)
+
+
+def _decoder_layer_class(original: type) -> type:
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        post_norm = self.post_attention_layernorm
+        # Not the layout fused here, or a norm whose call something watches (a forward hook that records its
+        # output, FSDP2 gathering its weight): the norm must run as a module of its own.
+        watched = post_norm._forward_hooks or post_norm._forward_pre_hooks
+        if args or watched or type(post_norm).forward is not _llama_rms_norm_forward:
+            return original.forward(self, hidden_states, *args, **kwargs)
+        attention, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        # residual + attention and the MLP's norm of it in one pass (each read once, both written once).
+        normed, hidden_states = rms_norm_ops.add_rms_norm(
+            attention, hidden_states, post_norm.weight, post_norm.variance_epsilon
+        )
+        return hidden_states + self.mlp(normed)
 
     return _fused_subclass(original, forward)
 
@@ -601,7 +623,8 @@ def report(model: nn.Module) -> PatchReport:
         name = type(module).__name__
         if name.startswith(f"Fused{family.prefix}"):
             kind = name.removeprefix(f"Fused{family.prefix}")
-            kind = {"RMSNorm": "RMSNorm", "MLP": "gated MLP (SwiGLU/GeGLU)", "Attention": "attention (RoPE)"}[kind]
+            kind = {"RMSNorm": "RMSNorm", "MLP": "gated MLP (SwiGLU/GeGLU)", "Attention": "attention (RoPE)",
+                    "DecoderLayer": "residual add into RMSNorm"}[kind]  # fmt: skip
             replaced[kind] = replaced.get(kind, 0) + 1
     left_alone: dict[str, str] = {}
     mlp_names = (f"{family.prefix}MLP", f"Fused{family.prefix}MLP")
@@ -650,7 +673,7 @@ def _unwrap(model: object) -> nn.Module:
 
 
 # Class-name suffix of each fused piece in a modeling module -> the option of patch() that fuses it.
-_PIECES = {"RMSNorm": "rms_norm", "MLP": "swiglu", "Attention": "rope"}
+_PIECES = {"RMSNorm": "rms_norm", "MLP": "swiglu", "Attention": "rope", "DecoderLayer": "rms_norm"}
 
 
 def _fused_piece(family: _Family, modeling: types.ModuleType, suffix: str) -> tuple[type, type]:
@@ -660,6 +683,8 @@ def _fused_piece(family: _Family, modeling: types.ModuleType, suffix: str) -> tu
         return original, _norm_class(family, original)
     if suffix == "MLP":
         return original, _mlp_class(family, original)
+    if suffix == "DecoderLayer":
+        return original, _decoder_layer_class(original)
     return original, _attention_class(modeling, original)
 
 

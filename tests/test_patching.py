@@ -251,7 +251,7 @@ def test_only_patched_models_run_the_fused_rope(monkeypatch):
 
 def test_patching_by_model_type_patches_the_classes():
     modeling = patching._modeling("llama")
-    names = ("LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "apply_rotary_pos_emb")
+    names = ("LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "apply_rotary_pos_emb")
     originals = {name: getattr(modeling, name) for name in names}
     forward = modeling.LlamaForCausalLM.forward
     reference = tiny_model("llama")
@@ -263,7 +263,7 @@ def test_patching_by_model_type_patches_the_classes():
         torch.manual_seed(1)
         model = transformers.AutoModelForCausalLM.from_config(reference.config).to(runtime.DEVICE).train()
         model.load_state_dict(reference.state_dict())
-        assert fused_class_names(model) == {"FusedLlamaRMSNorm", "FusedLlamaMLP", "FusedLlamaAttention"}
+        assert fused_class_names(model) == {f"FusedLlama{piece}" for piece in patching.FAMILIES["llama"].pieces}
         assert "forward" not in model.__dict__  # the class forward already is the fused one
         ours, _ = assert_same_training_step(model, reference, *batch())
         assert ours.logits is None
@@ -281,7 +281,7 @@ def test_peft_wrapped_model():
     reference = peft.get_peft_model(tiny_model("mistral"), lora)
     model = copy.deepcopy(reference)
     assert liger_lab.patch(model) is model
-    assert fused_class_names(model) == {"FusedMistralRMSNorm", "FusedMistralMLP", "FusedMistralAttention"}
+    assert fused_class_names(model) == {f"FusedMistral{piece}" for piece in patching.FAMILIES["mistral"].pieces}
     ours, _ = assert_same_training_step(model, reference, *batch())
     assert ours.logits is None
     liger_lab.unpatch(model)
@@ -311,7 +311,7 @@ def test_mlp_with_an_activation_without_kernel_is_left_alone():
     model = copy.deepcopy(reference)
     with pytest.warns(UserWarning, match="relu"):
         liger_lab.patch(model)
-    assert fused_class_names(model) == {"FusedLlamaRMSNorm", "FusedLlamaAttention"}
+    assert fused_class_names(model) == {"FusedLlamaRMSNorm", "FusedLlamaAttention", "FusedLlamaDecoderLayer"}
     assert_same_training_step(model, reference, *batch())
     liger_lab.unpatch(model)
 
@@ -336,7 +336,8 @@ def test_patch_report_counts_what_was_fused_and_says_what_was_left_alone():
     assert liger_lab.patch_report(model).left_alone["loss"] == "transformers' own"
     report = liger_lab.patch_report(liger_lab.patch(model))
     assert report.replaced == {
-        "attention (RoPE)": 1, "gated MLP (SwiGLU/GeGLU)": 1, "RMSNorm": 3, "loss (fused linear cross-entropy)": 1,
+        "residual add into RMSNorm": 1, "attention (RoPE)": 1, "gated MLP (SwiGLU/GeGLU)": 1, "RMSNorm": 3,
+        "loss (fused linear cross-entropy)": 1,
     }  # fmt: skip
     assert report.left_alone == {} and "RMSNorm" in str(report)
     glm = liger_lab.patch_report(liger_lab.patch(tiny_model("glm4")))
@@ -345,3 +346,15 @@ def test_patch_report_counts_what_was_fused_and_says_what_was_left_alone():
     assert "experts" in mixtral.left_alone["MLP"]
     model.lm_head = torch.nn.Sequential(model.lm_head)  # what the fused loss cannot take is named
     assert "lm_head is a Sequential" in liger_lab.patch_report(model).left_alone["loss"]
+
+
+def test_fused_residual_add_steps_aside_for_a_watched_norm():
+    """The decoder layer runs the add before the MLP's norm in the norm's kernel; a forward hook on that norm
+    (a recorder, FSDP2 gathering its weight) gets transformers' forward, and sees the norm's output."""
+    reference = tiny_model("llama")
+    model = liger_lab.patch(copy.deepcopy(reference))
+    assert type(model.model.layers[0]).__name__ == "FusedLlamaDecoderLayer"
+    seen = []
+    model.model.layers[0].post_attention_layernorm.register_forward_hook(lambda *_: seen.append(1))
+    assert_same_training_step(model, reference, *batch())
+    assert seen == [1]

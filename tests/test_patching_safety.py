@@ -22,7 +22,7 @@ from liger_lab.checks import relative_l2_error
 
 transformers = pytest.importorskip("transformers")
 
-FUSED_LLAMA = {"FusedLlamaRMSNorm", "FusedLlamaMLP", "FusedLlamaAttention"}
+FUSED_LLAMA = {f"FusedLlama{piece}" for piece in patching.FAMILIES["llama"].pieces}
 
 
 @pytest.fixture(autouse=True)
