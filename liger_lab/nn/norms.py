@@ -12,7 +12,32 @@ from liger_lab.ops.layer_norm import layer_norm
 from liger_lab.ops.rms_norm import add_rms_norm, rms_norm
 
 
-class RMSNorm(nn.Module):
+class _RMSNormWeight(nn.Module):
+    """The parameter and settings an RMSNorm holds, as ``LlamaRMSNorm`` names them (``weight``,
+    ``variance_epsilon``), so a model's norm weights load unchanged."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        offset: float = 0.0,
+        casting_mode: str = "llama",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        init = torch.zeros if offset else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+        self.offset = offset
+        self.casting_mode = casting_mode
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}, casting={self.casting_mode}"
+
+
+class RMSNorm(_RMSNormWeight):
     """Drop-in for ``LlamaRMSNorm`` (default) and ``GemmaRMSNorm`` (``offset=1.0, casting_mode="gemma"``).
 
     The weight starts at ones, or at zeros when an offset is given (Gemma stores ``w`` and scales by
@@ -31,12 +56,7 @@ class RMSNorm(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        init = torch.zeros if offset else torch.ones
-        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
-        self.variance_epsilon = eps
-        self.offset = offset
-        self.casting_mode = casting_mode
+        super().__init__(hidden_size, eps, offset=offset, casting_mode=casting_mode, device=device, dtype=dtype)
         self.in_place_backward = in_place_backward
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -45,11 +65,8 @@ class RMSNorm(nn.Module):
             in_place_backward=self.in_place_backward,
         )  # fmt: skip
 
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}, casting={self.casting_mode}"
 
-
-class AddRMSNorm(nn.Module):
+class AddRMSNorm(_RMSNormWeight):
     """A pre-norm decoder's residual add and the RMSNorm after it, one kernel each way: ``module(x, residual)``
     returns ``(norm(x + residual), x + residual)``, the next sublayer's input and the new residual stream.
 
@@ -59,31 +76,11 @@ class AddRMSNorm(nn.Module):
     flows on along the residual stream.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        eps: float = 1e-6,
-        *,
-        offset: float = 0.0,
-        casting_mode: str = "llama",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        init = torch.zeros if offset else torch.ones
-        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
-        self.variance_epsilon = eps
-        self.offset = offset
-        self.casting_mode = casting_mode
-
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(
             hidden_states, residual, self.weight, self.variance_epsilon, offset=self.offset,
             casting_mode=self.casting_mode,
         )  # fmt: skip
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}, casting={self.casting_mode}"
 
 
 class LayerNorm(nn.Module):
