@@ -440,16 +440,25 @@ def _report_fallback(model_class: str, reason: str) -> None:
         warnings.warn(message, stacklevel=4)
 
 
+def _is_fsdp_unit(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def _as_forward_of(module: nn.Module, compute: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
-    """``compute(x)`` run as ``module``'s forward when hooks surround the module's call, else directly.
+    """``compute(x)`` run as ``module``'s forward when ``module`` is an FSDP2 unit, else directly.
 
     A sharded ``lm_head`` (FSDP2's ``fully_shard(model.lm_head)``) holds a shard of its weight outside its
     call: the hooks FSDP2 registers gather the full weight before the forward and reshard it after, and
     again around the backward, where they also reduce-scatter its gradient. The fused loss reads the weight
     without calling the module, so it borrows the call: the module's ``forward`` is ``compute`` for the
     duration, and the hooks run around it as around the matmul they expected (casting ``x`` too, under a
-    mixed-precision policy). A module without hooks (every single-GPU model) is not touched."""
-    if not (module._forward_hooks or module._forward_pre_hooks):
+    mixed-precision policy). Any other module is not touched: a hook of its own (one that logs the logits, say)
+    expects logits, not a loss, so it does not run, as when the fused loss reads the weight directly."""
+    if not _is_fsdp_unit(module):
         return compute(x)
     module.forward = compute
     try:
