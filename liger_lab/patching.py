@@ -403,6 +403,16 @@ class _BoundForward:
         self.model_type = model_type
         self.fused = fused
         self.cross_entropy = cross_entropy
+        self._make_function()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # unpickled or deep-copied
+        self.__dict__.update(state)
+        self._make_function()
+
+    def _make_function(self) -> None:
+        # Made here, outside any call: torch.compile then traces only the lookup of a function that exists
+        # (tracing its first construction, which reads the swap registry, has failed inside Dynamo).
+        _loss_forward_of(self.model_type, self.fused, self.cross_entropy)
 
     @property
     def __func__(self) -> Callable[..., Any]:
