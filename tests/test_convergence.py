@@ -13,7 +13,7 @@ import torch
 from test_patching import tiny_model
 
 import liger_lab
-from liger_lab import runtime
+from liger_lab import patching, runtime
 
 STEPS = 20
 
@@ -54,7 +54,7 @@ def test_fp32_loss_curves_match(model_type):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"])
+@pytest.mark.parametrize("model_type", sorted(patching.FAMILIES))
 @pytest.mark.parametrize("mode", ["bf16_weights", "autocast"])
 def test_bf16_loss_curves_match(model_type, mode):
     dtype = torch.bfloat16 if mode == "bf16_weights" else torch.float32
