@@ -30,6 +30,12 @@ by it), ``shift_labels``, ``ignore_index``, ``logits_to_keep`` and ``return_dict
 then comes from :func:`liger_lab.cross_entropy`). With ``return_dict=False`` the tuple has transformers'
 layout, the logits' slot included (None when the fused loss ran).
 
+The fused loss reads the ``lm_head``'s weight and bias: an ``nn.Linear``'s, or a PEFT LoRA layer's, whose
+active adapter's term joins the same product (a concatenation of the weight with LoRA's B, see
+:class:`_LoraTerm`); with its adapters disabled or merged, the base layer's. Any other head (DoRA or another
+LoRA variant, several active adapters, a quantized layer) gets its logits materialised, with a warning that
+says why, as does :func:`report`.
+
 A patched model pickles (``torch.save(model)``) and loads in any process: the fused classes are found by
 name in this module (:func:`__getattr__` rebuilds them), a patched model's own ``forward`` pickles as its
 options, and a fused attention that is unpickled or deep-copied holds the rope swap itself, so it keeps
@@ -250,6 +256,11 @@ def _decoder_layer_class(original: type) -> type:
         if args or watched or type(post_norm).forward is not _llama_rms_norm_forward:
             return original.forward(self, hidden_states, *args, **kwargs)
         attention, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        if attention.dtype != hidden_states.dtype:
+            # Under autocast the attention's output is bf16 and the residual stream fp32: transformers' add
+            # promotes the sum to fp32, while add_rms_norm takes and returns one dtype.
+            hidden_states = hidden_states + attention
+            return hidden_states + self.mlp(post_norm(hidden_states))
         # residual + attention and the MLP's norm of it in one pass (each read once, both written once).
         normed, hidden_states = rms_norm_ops.add_rms_norm(
             attention, hidden_states, post_norm.weight, post_norm.variance_epsilon
@@ -429,14 +440,97 @@ class _BoundForward:
         return f"<liger_lab forward of {type(self.__self__).__name__}>"
 
 
-def _fused_loss_fallback(head: nn.Module) -> str | None:
-    """Why the fused loss cannot take this ``lm_head``'s weight and bias (then the logits are materialised), or
-    None when it can: an ``nn.Linear`` or a subclass that keeps its forward (FSDP2's ``FSDPLinear``)."""
-    if not isinstance(head, nn.Linear):
-        return f"lm_head is a {type(head).__name__}, not an nn.Linear (an adapter or a quantized layer on it?)"
-    if type(head).forward is not nn.Linear.forward:
-        return f"lm_head's class {type(head).__name__} overrides nn.Linear.forward"
+@dataclass(frozen=True)
+class _LoraTerm:
+    """The active adapter of a PEFT LoRA ``lm_head``, whose forward adds ``s * B(A(dropout(x)))`` to the base
+    layer's logits ``x W^T + b`` (A: r x H, B: V x r, s the adapter's scaling).
+
+    The fused loss computes those logits as one product, ``[x, u] @ [W, B]^T + b`` with ``u = s * A(dropout(x))``
+    (N x r): ``widen`` makes both concatenations and autograd takes the gradients of x, A and B back through
+    them. The price is the V x (H + r) concatenated weight and, when B is trained, its gradient, which the fused
+    loss makes whole (W's columns too, dropped when W is frozen: 2 N H V FLOPs that LoRA training does not
+    need): 2 V (H + r) elements, 4 V (H + r) bytes in bf16. For V = 128256, H = 4096, r = 16 that is
+    1,054,777,344 bytes each, 2,109,554,688 bytes (1.96 GiB) in all (no fp32 dW accumulator at that size).
+    transformers' loss holds at least the bf16 logits and an fp32 copy of them, 6 N V bytes: the concatenation
+    costs less from N = 2 (H + r) / 3 = 2741 tokens on, and a third of those 6.3 GB at N = 8192.
+    """
+
+    a: nn.Linear
+    b: nn.Linear
+    dropout: nn.Module
+    scaling: float
+
+    def widen(self, x: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([hidden, u], [weight, B]) in hidden's and weight's dtypes, for the adapter's input ``x`` (``hidden``
+        is ``x`` itself or its copy in the autocast dtype; ``u`` is made under the same autocast as PEFT's)."""
+        u = self.a(self.dropout(x.to(self.a.weight.dtype))) * self.scaling  # PEFT casts x to the adapter's dtype
+        return torch.cat([hidden, u.to(hidden.dtype)], dim=-1), torch.cat([weight, self.b.weight.to(weight.dtype)], 1)
+
+
+@dataclass(frozen=True)
+class _Head:
+    """What the fused loss computes an ``lm_head``'s logits from: a linear layer and the LoRA term, if any."""
+
+    linear: nn.Linear
+    lora: _LoraTerm | None = None
+
+
+def _linear_fallback(layer: nn.Module, name: str) -> str | None:
+    """Why the fused loss cannot read ``layer``'s weight and bias as an ``nn.Linear`` (or a subclass that keeps
+    its forward: FSDP2's ``FSDPLinear``), or None when it can."""
+    if not isinstance(layer, nn.Linear):
+        return f"{name} is a {type(layer).__name__}, not an nn.Linear (an adapter or a quantized layer on it?)"
+    if type(layer).forward is not nn.Linear.forward:
+        return f"{name}'s class {type(layer).__name__} overrides nn.Linear.forward"
     return None
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    """A PEFT LoRA layer, recognised by its attributes: peft is optional and not imported here."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and all(
+        isinstance(getattr(module, name, None), nn.ModuleDict) for name in ("lora_A", "lora_B", "lora_dropout")
+    )
+
+
+def _lora_head(head: nn.Module) -> _Head | str:
+    """What PEFT's LoRA ``Linear.forward`` computes, as a :class:`_Head`: the base layer alone while adapters are
+    disabled or merged into it, with the LoRA term for one active plain adapter. Or why the fused loss cannot
+    compute it: a LoRA variant (DoRA, ...), a LoRA bias, several active adapters, a forward pre-hook (PEFT's
+    ``adapter_names``, a batch of mixed adapters, comes in through one)."""
+    fallback = _linear_fallback(head.base_layer, "lm_head's base layer")
+    if fallback is not None:
+        return fallback
+    if head._forward_pre_hooks:
+        return "the LoRA lm_head has a forward pre-hook (PEFT's adapter_names, a batch of mixed adapters?)"
+    if head.disable_adapters and head.merged:
+        return "the LoRA lm_head's adapters are disabled but merged (its forward unmerges them)"
+    adapters = [] if head.disable_adapters or head.merged else [a for a in head.active_adapters if a in head.lora_A]
+    if len(adapters) > 1:
+        return f"{len(adapters)} LoRA adapters are active on lm_head ({', '.join(adapters)}): at most one is fused"
+    if not adapters:
+        return _Head(head.base_layer)
+    name = adapters[0]
+    variant = getattr(head, "lora_variant", {}).get(name)
+    if variant is not None or getattr(head, "use_dora", {}).get(name):
+        kind = "DoRA (use_dora)" if variant is None else type(variant).__name__
+        return f"lm_head's LoRA adapter {name!r} is a {kind}, not plain LoRA"
+    a, b = head.lora_A[name], head.lora_B[name]
+    for layer, which in ((a, "A"), (b, "B")):
+        fallback = _linear_fallback(layer, f"lm_head's LoRA {which}")
+        if fallback is None and layer.bias is not None:
+            fallback = f"lm_head's LoRA {which} has a bias (lora_bias)"
+        if fallback is not None:
+            return fallback
+    return _Head(head.base_layer, _LoraTerm(a, b, head.lora_dropout[name], head.scaling[name]))
+
+
+def _fused_head(head: nn.Module) -> _Head | str:
+    """What the fused loss computes this ``lm_head``'s logits from, or why it cannot (then the logits are
+    materialised): an ``nn.Linear``, or a PEFT LoRA layer on one."""
+    if _is_lora_layer(head):
+        return _lora_head(head)
+    fallback = _linear_fallback(head, "lm_head")
+    return _Head(head) if fallback is None else fallback
 
 
 _REPORTED_FALLBACKS: set[tuple[str, str]] = set()
@@ -507,17 +601,20 @@ def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, A
         kept, hidden = kept / logits_scaling, hidden / logits_scaling  # the same logits, by linearity
 
     head, logits = self.lm_head, None
-    fallback = _fused_loss_fallback(head) if fused else None
-    if fallback is not None:
-        _report_fallback(type(self).__name__, fallback)
-    if fused and fallback is None:
+    parts = _fused_head(head) if fused else None
+    if isinstance(parts, str):
+        _report_fallback(type(self).__name__, parts)
+    if isinstance(parts, _Head):
+        linear, lora = parts.linear, parts.lora
 
         def fused_loss(hidden: torch.Tensor) -> torch.Tensor:
-            weight, bias = head.weight, head.bias
+            weight, bias, lora_input = linear.weight, linear.bias, hidden
             dtype = _autocast_dtype(hidden.device)
             if dtype is not None:  # what autocast would have done to the lm_head's matmul
                 hidden, weight = hidden.to(dtype), weight.to(dtype)
                 bias = None if bias is None else bias.to(dtype)
+            if lora is not None:
+                hidden, weight = lora.widen(lora_input, hidden, weight)
             return flce_ops.fused_linear_cross_entropy(
                 hidden,
                 weight,
@@ -528,8 +625,10 @@ def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, A
                 softcap=softcap,
                 loss_dtype=torch.float32,
                 # The final norm's output is read by this loss alone, unless the caller asked for the hidden
-                # states (they include it): then it must stay intact.
-                in_place_backward=not isinstance(outputs, tuple) and getattr(outputs, "hidden_states", None) is None,
+                # states (they include it): then it must stay intact. A LoRA head's concatenation is the loss's
+                # own (the adapter reads the norm's output, which stays intact).
+                in_place_backward=lora is not None
+                or (not isinstance(outputs, tuple) and getattr(outputs, "hidden_states", None) is None),
             )
 
         loss = _as_forward_of(head, fused_loss, hidden)
@@ -658,8 +757,9 @@ def report(model: nn.Module) -> PatchReport:
     forward = model.__dict__.get("forward")
     loss_forward = forward.__func__ if isinstance(forward, _BoundForward) else type(model).forward
     fused = getattr(loss_forward, "liger_lab_fused", None)  # None: transformers' own forward
-    fallback = _fused_loss_fallback(model.lm_head) if isinstance(getattr(model, "lm_head", None), nn.Module) else (
+    head = _fused_head(model.lm_head) if isinstance(getattr(model, "lm_head", None), nn.Module) else (
         "the model has no lm_head module")  # fmt: skip
+    fallback = head if isinstance(head, str) else None
     if fused and fallback is None:
         replaced["loss (fused linear cross-entropy)"] = 1
     elif fused:

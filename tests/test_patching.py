@@ -358,3 +358,198 @@ def test_fused_residual_add_steps_aside_for_a_watched_norm():
     model.model.layers[0].post_attention_layernorm.register_forward_hook(lambda *_: seen.append(1))
     assert_same_training_step(model, reference, *batch())
     assert seen == [1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# A PEFT LoRA lm_head: its adapter's term joins the fused loss's product.
+
+LORA_LOSS_TOL = 1e-5
+LORA_GRAD_TOL = 1e-4
+
+
+def lora_model(model_type: str = "llama", *, target_modules=("q_proj", "v_proj", "lm_head"), model=None, **lora):
+    """A PEFT LoRA model around a tiny one, with random B (init_lora_weights=False), so that every LoRA gradient
+    is non-zero and a LoRA term left out of the loss shows."""
+    peft = pytest.importorskip("peft")
+    settings = dict(r=4, lora_alpha=8, target_modules=list(target_modules), init_lora_weights=False)
+    return peft.get_peft_model(model or tiny_model(model_type), peft.LoraConfig(**{**settings, **lora}))
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The number of calls of the fused linear cross-entropy, counted."""
+    calls = []
+    fused = patching.flce_ops.fused_linear_cross_entropy
+    monkeypatch.setattr(
+        patching.flce_ops, "fused_linear_cross_entropy", lambda *a, **k: calls.append(1) or fused(*a, **k)
+    )
+    return calls
+
+
+def fallback_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "materialises the logits" in str(w.message)]
+
+
+def assert_lora_head_fused(model, reference, fused_calls, *args, seed=None, **kwargs):
+    """One training step of the patched model matches the unpatched PEFT model's (each run after
+    ``torch.manual_seed(seed)`` when given), with the fused loss run once and no fallback; returns our gradients."""
+    patching._REPORTED_FALLBACKS.clear()  # a warning given once per process shows here too
+    fused_calls.clear()
+    if seed is not None:
+        torch.manual_seed(seed)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ours, our_grads = loss_and_grads(model, *args, **kwargs)
+    assert len(fused_calls) == 1 and ours.logits is None
+    assert not fallback_warnings(record)
+    if seed is not None:
+        torch.manual_seed(seed)
+    theirs, their_grads = loss_and_grads(reference, *args, **kwargs)
+    assert relative_l2_error(ours.loss, theirs.loss) < LORA_LOSS_TOL, (ours.loss.item(), theirs.loss.item())
+    assert our_grads.keys() == their_grads.keys()
+    for name, grad in our_grads.items():
+        err = relative_l2_error(grad, their_grads[name])
+        assert err < LORA_GRAD_TOL, f"grad {name}: rel L2 {err:.2e}"
+    head_b = next(name for name in our_grads if "lm_head.lora_B" in name)
+    assert their_grads[head_b].norm() > 0  # the LoRA term of the head reaches the loss
+    return our_grads
+
+
+def test_lora_lm_head_runs_the_fused_loss(fused_calls):
+    reference = lora_model()
+    model = liger_lab.patch(copy.deepcopy(reference))
+    assert liger_lab.patch_report(model).replaced["loss (fused linear cross-entropy)"] == 1
+    input_ids, labels = batch()
+    assert_lora_head_fused(model, reference, fused_calls, input_ids, labels)
+    liger_lab.unpatch(model)
+
+
+def test_lora_lm_head_with_dropout(fused_calls):
+    """The head's dropout draws its mask at the same point of the forward as PEFT's: seeded alike, the training
+    steps match. In eval mode (the fused loss asked for with skip_logits) dropout is the identity."""
+    reference = lora_model(lora_dropout=0.5)
+    model = liger_lab.patch(copy.deepcopy(reference))
+    input_ids, labels = batch()
+    grads = assert_lora_head_fused(model, reference, fused_calls, input_ids, labels, seed=1)
+    other_grads = assert_lora_head_fused(model, reference, fused_calls, input_ids, labels, seed=2)
+    head_a = "base_model.model.lm_head.lora_A.default.weight"
+    assert relative_l2_error(other_grads[head_a], grads[head_a]) > 1e-2  # another seed, another mask
+    model.eval(), reference.eval()
+    assert_lora_head_fused(model, reference, fused_calls, input_ids, labels, skip_logits=True)
+    liger_lab.unpatch(model)
+
+
+def test_lora_lm_head_with_adapters_disabled_or_merged_is_its_base_layer(fused_calls):
+    reference = lora_model()
+    model = liger_lab.patch(copy.deepcopy(reference))
+    input_ids, labels = batch()
+    patching._REPORTED_FALLBACKS.clear()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with model.disable_adapter():
+            ours = model(input_ids=input_ids, labels=labels).loss
+        model.merge_adapter()
+        merged = model(input_ids=input_ids, labels=labels).loss
+    assert len(fused_calls) == 2 and not fallback_warnings(record)
+    with reference.disable_adapter():
+        theirs = reference(input_ids=input_ids, labels=labels).loss
+    assert relative_l2_error(ours, theirs) < LORA_LOSS_TOL
+    reference.merge_adapter()
+    assert relative_l2_error(merged, reference(input_ids=input_ids, labels=labels).loss) < LORA_LOSS_TOL
+    liger_lab.unpatch(model)
+
+
+def two_active_adapters():
+    model = lora_model()
+    model.add_adapter("second", model.peft_config["default"])
+    model.base_model.set_adapter(["default", "second"])
+    return model
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: lora_model(use_dora=True), "adapter 'default' is a DoraLinearVariant, not plain LoRA"),
+        (lambda: lora_model(lora_bias=True), "LoRA B has a bias"),
+        (two_active_adapters, "2 LoRA adapters are active on lm_head"),
+    ],
+    ids=["dora", "lora_bias", "two_adapters"],
+)
+def test_a_lora_lm_head_the_fused_loss_cannot_take_materialises_the_logits_and_says_why(make, reason, fused_calls):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's own (a LoRA bias on a layer without one)
+        reference = make()
+    model = liger_lab.patch(copy.deepcopy(reference))
+    assert reason in liger_lab.patch_report(model).left_alone["loss"]
+    patching._REPORTED_FALLBACKS.clear()
+    with pytest.warns(UserWarning, match="materialises the logits") as record:
+        ours, _ = assert_same_training_step(model, reference, *batch())
+    assert any(reason in message for message in fallback_warnings(record))
+    assert not fused_calls and ours.logits is not None
+    liger_lab.unpatch(model)
+
+
+def test_a_batch_of_mixed_adapters_materialises_the_logits():
+    """PEFT passes adapter_names (one adapter per sequence) to its layers through a forward pre-hook."""
+    reference = lora_model()
+    reference.add_adapter("second", reference.peft_config["default"])
+    model = liger_lab.patch(copy.deepcopy(reference)).eval()
+    input_ids, labels = batch()
+    patching._REPORTED_FALLBACKS.clear()
+    with torch.no_grad(), pytest.warns(UserWarning, match="forward pre-hook"):
+        ours = model(input_ids=input_ids, labels=labels, adapter_names=["default", "second"], skip_logits=True)
+    with torch.no_grad():
+        theirs = reference.eval()(input_ids=input_ids, labels=labels, adapter_names=["default", "second"])
+    assert relative_l2_error(ours.loss, theirs.loss) < LORA_LOSS_TOL
+    liger_lab.unpatch(model)
+
+
+# Per family: the projections that LoRA adapts besides lm_head (attention only where the MLP is a mixture of
+# experts, whose fused 3-D expert weights are no modules).
+LORA_TARGETS = {
+    "gemma3_text": ("q_proj", "v_proj", "down_proj"),
+    "qwen3_moe": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mixtral": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "olmo2": ("q_proj", "v_proj", "down_proj"),
+    "granite": ("q_proj", "v_proj", "down_proj"),
+    "smollm3": ("q_proj", "v_proj", "down_proj"),
+    "glm4": ("q_proj", "v_proj", "gate_up_proj", "down_proj"),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(LORA_TARGETS))
+def test_lora_parity_of_the_newer_families(model_type, fused_calls):
+    reference = lora_model(model_type, target_modules=(*LORA_TARGETS[model_type], "lm_head"))
+    model = liger_lab.patch(copy.deepcopy(reference))
+    grads = assert_lora_head_fused(model, reference, fused_calls, *batch())
+    assert all(any(f".{target}.lora_B." in name for name in grads) for target in LORA_TARGETS[model_type])
+    liger_lab.unpatch(model)
+
+
+@pytest.mark.cuda
+def test_lora_lm_head_fused_loss_peaks_lower_than_the_logits():
+    """bf16 model, fp32 adapters (PEFT's default), a 32768-word vocabulary, 8192 tokens: the unpatched step holds
+    the N x V logits (512 MiB in bf16) and fp32 copies of them; the fused one a V x (H + r) weight copy and its
+    gradient (7 MiB) and one chunk of logits (240 MiB)."""
+    vocab = 32768
+    base = tiny_model("llama", vocab_size=vocab, max_position_embeddings=1024).to(torch.bfloat16)
+    reference = lora_model(model=base)
+    model = liger_lab.patch(copy.deepcopy(reference))
+    input_ids, labels = batch(vocab, batch_size=8, seq=1024)
+
+    def peak_bytes(peft_model) -> tuple[int, torch.Tensor]:
+        peft_model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        loss = peft_model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start, loss.detach()
+
+    peak_bytes(model)  # the first call compiles the kernels
+    ours, our_loss = peak_bytes(model)
+    theirs, their_loss = peak_bytes(reference)
+    assert relative_l2_error(our_loss, their_loss) < 2e-2
+    assert ours < theirs / 2, (ours, theirs)
+    liger_lab.unpatch(model)
