@@ -439,6 +439,24 @@ def test_lora_lm_head_with_dropout(fused_calls):
     liger_lab.unpatch(model)
 
 
+def test_lora_lm_head_under_autocast(fused_calls):
+    """Under bf16 autocast the fused loss runs on bf16 copies of [x, u] and [W, B], as PEFT's matmuls would."""
+    reference = lora_model()
+    model = liger_lab.patch(copy.deepcopy(reference))
+    input_ids, labels = batch()
+    losses, head_grads = [], []
+    for peft_model in (model, reference):
+        peft_model.zero_grad(set_to_none=True)
+        with torch.autocast(runtime.DEVICE.type, torch.bfloat16):
+            loss = peft_model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        head_grads.append(peft_model.base_model.model.lm_head.lora_B.default.weight.grad)
+    assert len(fused_calls) == 1
+    assert relative_l2_error(*losses) < 1e-2 and relative_l2_error(*head_grads) < 5e-2
+    liger_lab.unpatch(model)
+
+
 def test_lora_lm_head_with_adapters_disabled_or_merged_is_its_base_layer(fused_calls):
     reference = lora_model()
     model = liger_lab.patch(copy.deepcopy(reference))
