@@ -195,3 +195,23 @@ def test_tuple_output_has_the_unpatched_layout(use_cache, output_hidden_states):
     if output_hidden_states:
         assert relative_l2_error(ours[-1][-1], theirs[-1][-1]) < 1e-5
     liger_lab.unpatch(model)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_autocast_step_matches_transformers(model_type):
+    """Under autocast the attention's output is bf16 while the residual stream stays fp32: the patched decoder
+    layer must add them as transformers does (the sum promoted to fp32), not fail on add_rms_norm's one dtype."""
+    reference = tiny_model(model_type)
+    model = liger_lab.patch(copy.deepcopy(reference))
+    input_ids, labels = batch()
+    losses, grads = [], []
+    for each in (model, reference):
+        with torch.autocast(input_ids.device.type, torch.bfloat16):
+            loss = each(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({name: p.grad for name, p in each.named_parameters()})
+    # bf16 matmuls on both sides, rounded at different points: a bf16-sized tolerance.
+    assert relative_l2_error(*losses) < 2e-2, [loss.item() for loss in losses]
+    for name, grad in grads[0].items():
+        assert relative_l2_error(grad, grads[1][name]) < 5e-2, name
