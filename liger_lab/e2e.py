@@ -1,14 +1,18 @@
-"""End to end: train a Llama-style model for a few steps, eager Hugging Face against patched kernels.
+"""End to end: train a decoder model for a few steps, eager Hugging Face against patched kernels.
 
-The model is built from a ``LlamaConfig`` (random weights, nothing downloaded). The benchmark model is
-Llama-3.2-1B-shaped with an untied output layer: hidden 2048, 16 layers, 32 query and 8 key/value heads,
-MLP 8192, vocabulary 128256, 1498M parameters, trained in bf16 with AdamW on a batch of 8 x 2048 tokens.
+The model is built from a preset of :data:`MODEL_SIZES` (random weights, nothing downloaded): a family of
+:data:`MODEL_FAMILIES` (Llama, Qwen3 or Gemma 3, whose transformers config and causal LM classes it names) and
+its sizes. The benchmark model is Llama-3.2-1B-shaped with an untied output layer: hidden 2048, 16 layers, 32
+query and 8 key/value heads, MLP 8192, vocabulary 128256, 1498M parameters, trained in bf16 with AdamW on a
+batch of 8 x 2048 tokens. "qwen3-1.5b" and "gemma3-1.5b" put about as many parameters behind larger
+vocabularies (151936; 262144 with soft-capped logits), where the loss takes more of the step and the memory.
 
 Modes:
 
 * ``"hf"``: the model as Hugging Face writes it (eager PyTorch, SDPA attention);
-* ``"liger_lab"``: after :func:`liger_lab.patch` (fused RMSNorm, RoPE, SwiGLU, linear + cross-entropy);
-* ``"liger"``: after Liger-Kernel's ``apply_liger_kernel_to_llama`` (when installed);
+* ``"liger_lab"``: after :func:`liger_lab.patch` (fused RMSNorm, RoPE, SwiGLU or GeGLU, linear + cross-entropy);
+* ``"liger"``: after Liger-Kernel's ``apply_liger_kernel_to_llama`` (``_qwen3``, ``_gemma3_text``: the
+  family's) with the same kernels (when installed);
 * ``"hf+compile"`` and ``"liger_lab+compile"``: the same two models, then ``model.compile()`` (the
   forward and, through AOTAutograd, the backward; the AdamW step stays eager). The first warm-up step
   compiles; it is timed on its own (``compile_s``) and never counted in tokens/s.
@@ -37,8 +41,10 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
@@ -46,23 +52,82 @@ import triton
 import liger_lab
 from liger_lab import bench, runtime
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 GIB = 2**30
 MODES = ("hf", "liger_lab", "liger", "hf+compile", "liger_lab+compile")
 COMPILE_SUFFIX = "+compile"
 # Two bf16 losses that differ by less than one bf16 step (2**-7 relative) are the same loss.
 BF16_RTOL = 2.0**-7
 
-MODEL_SIZES: dict[str, dict[str, int]] = {
-    # 1498M parameters: the model of the end-to-end benchmark.
-    "1.5b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256),
-    # 8.0B parameters, Llama-3-8B's shape: the multi-GPU (FSDP2) benchmark.
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-    # 0.2M parameters with odd sizes: small enough to train in Triton's interpreter.
-    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1000),
+
+@dataclass(frozen=True)
+class Family:
+    """How the benchmark builds one transformers family and patches it with Liger-Kernel."""
+
+    config_class: str  # a class of transformers: "Qwen3Config"
+    model_class: str  # "Qwen3ForCausalLM"
+    liger_patch: str  # Liger-Kernel's apply_liger_kernel_to_* for an instance of model_class
+    gated_mlp: str  # that function's keyword for the fused gated MLP: "swiglu" or "geglu"
+    layer_norms: int  # hidden-sized RMSNorm weights per decoder layer
+    qk_norm: bool = False  # an RMSNorm over each query and key head (head_dim weights each)
+    defaults: dict[str, Any] = field(default_factory=dict)  # config fields every preset of the family shares
+
+
+MODEL_FAMILIES: dict[str, Family] = {
+    "llama": Family(
+        "LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama", "swiglu", layer_norms=2,
+        defaults=dict(tie_word_embeddings=False, max_position_embeddings=131072, rms_norm_eps=1e-5),
+    ),
+    "qwen3": Family(
+        "Qwen3Config", "Qwen3ForCausalLM", "apply_liger_kernel_to_qwen3", "swiglu", layer_norms=2, qk_norm=True,
+        defaults=dict(tie_word_embeddings=True),
+    ),
+    # Gemma 3 dropped Gemma 2's final logit soft-cap; the benchmark keeps it so that the fused losses are
+    # measured with the cap they must apply.
+    "gemma3_text": Family(
+        "Gemma3TextConfig", "Gemma3ForCausalLM", "apply_liger_kernel_to_gemma3_text", "geglu", layer_norms=4,
+        qk_norm=True, defaults=dict(tie_word_embeddings=True, final_logit_softcapping=30.0, sliding_window=512),
+    ),
 }  # fmt: skip
+"""The families a preset can be (``config.model_type``), each one that :data:`liger_lab.patching.FAMILIES` patches."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    family: str  # a key of MODEL_FAMILIES
+    fields: dict[str, Any]  # config fields, over the family's defaults
+
+
+_TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=1000)  # fmt: skip
+
+MODEL_SIZES: dict[str, Preset] = {
+    # 1498M parameters, output layer untied (525M in the embedding and output layer): the model of the
+    # end-to-end benchmark.
+    "1.5b": Preset("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                                 num_key_value_heads=8, vocab_size=128256)),
+    # 8.0B parameters, Llama-3-8B's shape: the multi-GPU (FSDP2) benchmark.
+    "8b": Preset("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                               num_key_value_heads=8, vocab_size=128256)),
+    # 1519M parameters: Qwen3-1.7B's layer (16 query and 8 key/value heads of 128, MLP 6144) with 24 of its 28
+    # layers; the output layer is the embedding (tied, as in Qwen3-1.7B): 311M parameters, counted once.
+    "qwen3-1.5b": Preset("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936)),
+    # 1544M parameters: the width and depth of "1.5b" with Gemma 3's layer (8 query and 4 key/value heads of 256,
+    # four norms, GeGLU, a 512-token sliding window on five layers of six) and vocabulary; the output layer is the
+    # embedding (tied, as in every Gemma): 537M parameters, counted once. Logits soft-capped at 30 (Gemma 2's).
+    "gemma3-1.5b": Preset("gemma3_text", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                              num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                              vocab_size=262144)),
+    # 0.16-0.22M parameters with odd sizes, one per family: small enough to train in Triton's interpreter. The
+    # window of tiny-gemma3 is shorter than the CPU tests' sequences, so its sliding layers mask.
+    "tiny": Preset("llama", _TINY),
+    "tiny-qwen3": Preset("qwen3", dict(_TINY, head_dim=16)),
+    "tiny-gemma3": Preset("gemma3_text", dict(_TINY, head_dim=16, sliding_window=8)),
+}  # fmt: skip
+"""Model presets by name: a family of :data:`MODEL_FAMILIES` and its config fields (random weights)."""
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -72,44 +137,72 @@ def default_dtype() -> torch.dtype:
     return runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)
 
 
-def llama_config(model: str = "1.5b", *, layers: int | None = None):
-    """A ``transformers.LlamaConfig`` for a preset of :data:`MODEL_SIZES`, optionally with fewer layers."""
+def _transformers() -> types.ModuleType:
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError("the end-to-end benchmark needs transformers: pip install 'liger-lab[hf]'") from error
+    return transformers
+
+
+def model_config(model: str = "1.5b", *, layers: int | None = None) -> PretrainedConfig:
+    """The transformers config of a preset of :data:`MODEL_SIZES` (``LlamaConfig``, ``Qwen3Config``,
+    ``Gemma3TextConfig``), optionally with fewer layers."""
     if model not in MODEL_SIZES:
         raise ValueError(f"model is {model!r}: expected one of {sorted(MODEL_SIZES)}")
     if layers is not None and layers < 1:
         raise ValueError(f"layers is {layers}: expected at least 1")
-    try:
-        from transformers import LlamaConfig
-    except ImportError as error:
-        raise ImportError("the end-to-end benchmark needs transformers: pip install 'liger-lab[hf]'") from error
-    sizes = dict(MODEL_SIZES[model])
+    preset = MODEL_SIZES[model]
+    family = MODEL_FAMILIES[preset.family]
+    fields = {**family.defaults, **preset.fields, "use_cache": False}
     if layers is not None:
-        sizes["num_hidden_layers"] = layers
-    return LlamaConfig(
-        **sizes, tie_word_embeddings=False, max_position_embeddings=131072, rms_norm_eps=1e-5, use_cache=False,
-    )  # fmt: skip
+        fields["num_hidden_layers"] = layers
+    return getattr(_transformers(), family.config_class)(**fields)
 
 
-def _kv_dim(config) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_key_value_heads * head_dim
+def llama_config(model: str = "1.5b", *, layers: int | None = None) -> PretrainedConfig:
+    """:func:`model_config` of a Llama preset ("1.5b", "8b", "tiny"): a ``transformers.LlamaConfig``."""
+    config = model_config(model, layers=layers)
+    if config.model_type != "llama":
+        raise ValueError(f"model {model!r} is a {config.model_type} preset: model_config builds it")
+    return config
 
 
-def count_parameters(config) -> int:
-    """Parameters of a ``LlamaForCausalLM`` with an untied output layer, counted from its config.
+def family_of(config: PretrainedConfig) -> Family:
+    """The :data:`MODEL_FAMILIES` entry of a config (by its ``model_type``)."""
+    if config.model_type not in MODEL_FAMILIES:
+        raise ValueError(f"model type {config.model_type!r}: expected one of {sorted(MODEL_FAMILIES)}")
+    return MODEL_FAMILIES[config.model_type]
 
-    Per layer: q and o projections h*h each, k and v h*kv each, the MLP 3*h*I, two norm weights h.
-    Plus the embedding and the output layer (V*h each) and the final norm (h).
+
+def _head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _kv_dim(config: PretrainedConfig) -> int:
+    return config.num_key_value_heads * _head_dim(config)
+
+
+def count_parameters(config: PretrainedConfig) -> int:
+    """Parameters of the causal LM of a config of :data:`MODEL_FAMILIES`, counted from the config.
+
+    Per layer: q and o projections h*q each (q = heads * head_dim, h for Llama), k and v h*kv each, the gated
+    MLP 3*h*I, the family's hidden-sized norm weights (two for Llama and Qwen3, four for Gemma 3) and, in
+    Qwen3 and Gemma 3, a norm of head_dim weights on the queries and one on the keys. Plus the embedding
+    (V*h), the output layer (V*h more unless it is tied to the embedding) and the final norm (h).
     """
-    h, ffn, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    q_dim = config.num_attention_heads * (getattr(config, "head_dim", None) or h // config.num_attention_heads)
-    per_layer = 2 * h * q_dim + 2 * h * _kv_dim(config) + 3 * h * ffn + 2 * h
+    family = family_of(config)
+    h, ffn, vocab, head_dim = config.hidden_size, config.intermediate_size, config.vocab_size, _head_dim(config)
+    q_dim = config.num_attention_heads * head_dim
+    norms = family.layer_norms * h + (2 * head_dim if family.qk_norm else 0)
+    per_layer = 2 * h * q_dim + 2 * h * _kv_dim(config) + 3 * h * ffn + norms
     embeddings = vocab * h * (1 if config.tie_word_embeddings else 2)
     return config.num_hidden_layers * per_layer + embeddings + h
 
 
 def activation_elements_per_token(config, *, fused: bool) -> int:
-    """Elements one decoder layer saves for the backward, per token (compute dtype units).
+    """Elements one Llama decoder layer saves for the backward, per token (compute dtype units); for the
+    other families an estimate that leaves out their extra norms.
 
     With fused kernels (SDPA attention, which keeps q, k, v and its output):
     the two norm inputs (2h), the two norm outputs the projections keep (2h), q, k, v (h + 2kv),
@@ -225,14 +318,20 @@ def available_modes() -> list[str]:
     return modes
 
 
-def build_model(config, *, dtype: torch.dtype | None = None, seed: int = 0) -> torch.nn.Module:
-    """A randomly initialised ``LlamaForCausalLM`` on :data:`runtime.DEVICE`, in ``dtype``, in train mode."""
-    from transformers import LlamaForCausalLM
-
+def build_model(config: PretrainedConfig, *, dtype: torch.dtype | None = None, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised causal LM of ``config``'s family (``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
+    ``Gemma3ForCausalLM``) on :data:`runtime.DEVICE`, in ``dtype``, in train mode."""
+    model_class = getattr(_transformers(), family_of(config).model_class)
     torch.manual_seed(seed)
     with torch.device(runtime.DEVICE):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype or default_dtype(), attn_implementation="sdpa")
+        model = model_class._from_config(config, dtype=dtype or default_dtype(), attn_implementation="sdpa")
     return model.train()
+
+
+# The kernels both patched modes swap in, so that "liger" and "liger_lab" are measured doing the same work, under the
+# keywords liger_lab.patch and Liger-Kernel's apply_liger_kernel_to_* share. The gated MLP's keyword differs:
+# swiglu in liger_lab (GeGLU for Gemma too), the family's gated_mlp in Liger-Kernel.
+FUSED = dict(rope=True, rms_norm=True, fused_linear_cross_entropy=True, cross_entropy=False)
 
 
 def apply_mode(model: torch.nn.Module, mode: str, *, compile_backend: str = "inductor") -> torch.nn.Module:
@@ -244,11 +343,12 @@ def apply_mode(model: torch.nn.Module, mode: str, *, compile_backend: str = "ind
         raise ValueError(f"mode is {mode!r}: expected one of {MODES}")
     base = base_mode(mode)
     if base == "liger_lab":
-        liger_lab.patch(model)
+        liger_lab.patch(model, **FUSED, swiglu=True)
     elif base == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        import liger_kernel.transformers
 
-        apply_liger_kernel_to_llama(model=model)
+        family = family_of(model.config)
+        getattr(liger_kernel.transformers, family.liger_patch)(model=model, **FUSED, **{family.gated_mlp: True})
     if is_compiled(mode):
         model.compile(backend=compile_backend)
     return model
@@ -291,13 +391,17 @@ def _compile_counts() -> dict[str, int]:
     return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
 
-def _row(mode: str, config, batch: int, seq: int, **fields: Any) -> dict[str, Any]:
+def _environment() -> dict[str, Any]:
     from importlib.metadata import version
 
+    return {**bench.environment(), "transformers": version("transformers")}
+
+
+def _row(mode: str, config: PretrainedConfig, batch: int, seq: int, **fields: Any) -> dict[str, Any]:
     return {
-        "op": "e2e", "impl": mode, "batch": batch, "seq": seq, "layers": config.num_hidden_layers,
-        "params_M": round(count_parameters(config) / 1e6, 2), **fields, **bench.environment(),
-        "transformers": version("transformers"),
+        "op": "e2e", "impl": mode, "batch": batch, "seq": seq, "family": config.model_type,
+        "vocab": config.vocab_size, "layers": config.num_hidden_layers,
+        "params_M": round(count_parameters(config) / 1e6, 2), **fields, **_environment(),
     }  # fmt: skip
 
 
@@ -411,8 +515,8 @@ def largest_fit(
             break
         fits.append({"batch": batch, "seq": seq, "peak_gib": _peak_gib()})
     largest = [fits[-1]["batch"], fits[-1]["seq"]] if fits else None
-    return {"op": "e2e_fit", "impl": mode, "fits": fits, "oom_at": oom_at, "largest": largest,
-            **bench.environment()}  # fmt: skip
+    return {"op": "e2e_fit", "impl": mode, "family": config.model_type, "fits": fits, "oom_at": oom_at,
+            "largest": largest, **_environment()}  # fmt: skip
 
 
 def allocated_timeline(trace: Sequence[dict[str, Any]], start_bytes: int = 0) -> tuple[list[float], list[int]]:
@@ -525,8 +629,12 @@ def run_isolated(
 
 def child_row(command: Sequence[str], failed: dict[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
     """Run ``command``, a Python process that prints its result as a JSON line, and return the last such row.
-    A child that fails or prints no row (a CUDA crash, a missing package) gives ``failed`` plus its "error"."""
-    done = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout_s)
+    A child that fails or prints no row (a CUDA crash, a missing package) gives ``failed`` plus its "error";
+    one still running after ``timeout_s`` seconds is killed and gives ``failed`` with "timeout": True too."""
+    try:
+        done = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {**failed, "error": f"killed after the timeout of {timeout_s:g} s", "timeout": True}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return {**failed, "error": (done.stderr or done.stdout).strip()[-2000:] or f"exit code {done.returncode}"}
@@ -686,15 +794,19 @@ def check_targets(
                 "met": losses["agree"], "detail": losses["detail"]}]  # fmt: skip
     ours = _find_row(rows, TARGET_MODE, batch, seq) or {}
     for metric, comparison, reference, factor in TARGETS:
-        other = _find_row(rows, reference, batch, seq) or {}
-        value, base = ours.get(metric), other.get(metric)
-        bound = None if base is None else base * factor
-        met = None if value is None or bound is None else (value >= bound if comparison == ">=" else value <= bound)
+        base = (_find_row(rows, reference, batch, seq) or {}).get(metric)
         name = "tokens/s" if metric == "tokens_per_s" else "peak GiB"
         scale = f"{factor:g}x " if factor != 1 else ""
-        results.append({"target": f"{name} {comparison} {scale}{reference}", "value": value, "bound": bound,
-                        "met": met})  # fmt: skip
+        bound = None if base is None else base * factor
+        results.append(target(f"{name} {comparison} {scale}{reference}", ours.get(metric), comparison, bound))
     return results
+
+
+def target(name: str, value: float | None, comparison: str, bound: float | None) -> dict[str, Any]:
+    """One target for :func:`format_targets`: {"target": name, "value", "bound", "met"}, met when ``value
+    comparison bound`` (">=" or "<="), None when either number is missing."""
+    met = None if value is None or bound is None else (value >= bound if comparison == ">=" else value <= bound)
+    return {"target": name, "value": value, "bound": bound, "met": met}
 
 
 def format_targets(results: Sequence[dict[str, Any]]) -> str:
@@ -775,7 +887,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--shapes", default="", help="comma-separated BATCHxSEQ sizes for the fit task")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the +compile modes")
     args = parser.parse_args(argv)
-    config = llama_config(args.model, layers=args.layers)
+    config = model_config(args.model, layers=args.layers)
     common = dict(dtype=DTYPES[args.dtype] if args.dtype else None, lr=args.lr, compile_backend=args.compile_backend)
     if args.task == "train":
         row = train(args.mode, config, args.batch, args.seq, steps=args.steps, warmup=args.warmup, **common)

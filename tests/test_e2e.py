@@ -1,15 +1,24 @@
+import importlib.util
 import json
 import math
+import re
+import sys
+import time
+import types
+from pathlib import Path
 
 import pytest
 import torch
 
 import liger_lab
-from liger_lab import e2e, runtime
+from liger_lab import e2e, patching, runtime
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 GIB = 2**30
+ROOT = Path(__file__).resolve().parents[1]
+TINY_PRESETS = ("tiny", "tiny-qwen3", "tiny-gemma3")
+needs_patch = pytest.mark.skipif(not hasattr(liger_lab, "patch"), reason="liger_lab.patch is not in this install")
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +31,70 @@ def design():
     return e2e.llama_config("1.5b")
 
 
-def test_parameter_count_matches_the_built_model(tiny):
-    model = e2e.build_model(tiny)
-    assert e2e.count_parameters(tiny) == sum(p.numel() for p in model.parameters())
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_parameter_count_matches_the_built_model(preset):
+    config = e2e.model_config(preset)
+    model = e2e.build_model(config)
+    assert type(model).__name__ == e2e.family_of(config).model_class
+    assert e2e.count_parameters(config) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "preset,family,vocab,tied,params",
+    [
+        ("1.5b", "llama", 128256, False, 1_498_482_688),
+        ("qwen3-1.5b", "qwen3", 151936, True, 1_519_230_976),
+        ("gemma3-1.5b", "gemma3_text", 262144, True, 1_543_645_184),
+    ],
+)
+def test_benchmark_presets_hold_about_1_5b_parameters_behind_their_vocabulary(preset, family, vocab, tied, params):
+    config = e2e.model_config(preset)
+    assert (config.model_type, config.vocab_size, config.tie_word_embeddings) == (family, vocab, tied)
+    assert e2e.count_parameters(config) == params
+    # The count is linear in the layers: a model of two layers, built on the meta device, checks each term.
+    few = e2e.model_config(preset, layers=2)
+    with torch.device("meta"):
+        model = getattr(transformers, e2e.family_of(few).model_class)(few)
+    assert e2e.count_parameters(few) == sum(p.numel() for p in model.parameters())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+def test_gemma_presets_soft_cap_their_logits_and_slide_their_window():
+    config, tiny = e2e.model_config("gemma3-1.5b"), e2e.model_config("tiny-gemma3")
+    assert config.final_logit_softcapping == tiny.final_logit_softcapping == 30.0
+    assert config.sliding_window == 512 and config.layer_types.count("full_attention") == 2
+    assert tiny.sliding_window < 16  # shorter than the CPU tests' sequences: the sliding mask is exercised
+
+
+def test_every_family_is_one_liger_lab_patches():
+    assert set(e2e.MODEL_FAMILIES) <= set(patching.FAMILIES)
+    assert {preset.family for preset in e2e.MODEL_SIZES.values()} == set(e2e.MODEL_FAMILIES)
+    for name in TINY_PRESETS:
+        assert e2e.model_config(name).vocab_size <= 1000
+
+
+@pytest.mark.parametrize(
+    "preset,function,mlp",
+    [
+        ("tiny", "apply_liger_kernel_to_llama", "swiglu"),
+        ("tiny-qwen3", "apply_liger_kernel_to_qwen3", "swiglu"),
+        ("tiny-gemma3", "apply_liger_kernel_to_gemma3_text", "geglu"),
+    ],
+)
+def test_liger_mode_calls_the_familys_liger_kernel_function_with_liger_labs_kernels(preset, function, mlp, monkeypatch):
+    # Liger-Kernel needs a GPU: a stand-in module records the call. The function names and keywords are
+    # those of Liger-Kernel 0.8.5's liger_kernel.transformers.
+    calls = []
+    fake = types.ModuleType("liger_kernel.transformers")
+    setattr(fake, function, lambda **kwargs: calls.append(kwargs))
+    package = types.ModuleType("liger_kernel")
+    package.transformers = fake
+    monkeypatch.setitem(sys.modules, "liger_kernel", package)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    model = e2e.build_model(e2e.model_config(preset))
+    assert e2e.apply_mode(model, "liger") is model
+    expected = dict(rope=True, rms_norm=True, fused_linear_cross_entropy=True, cross_entropy=False)
+    assert calls == [dict(model=model, **expected, **{mlp: True})]
 
 
 def test_design_model_has_1498m_parameters(design):
@@ -86,6 +156,8 @@ def test_breakdown_table_lists_every_part(design):
     [
         (lambda c: e2e.memory_breakdown(c, 0, 2048), "positive sizes"),
         (lambda c: e2e.llama_config("70b"), "expected one of"),
+        (lambda c: e2e.model_config("70b"), "expected one of"),
+        (lambda c: e2e.llama_config("qwen3-1.5b"), "model_config builds it"),
         (lambda c: e2e.llama_config("tiny", layers=0), "at least 1"),
         (lambda c: e2e.parse_shape("8by2048"), "BATCHxSEQ"),
         (lambda c: e2e.parse_shape("0x2048"), "positive"),
@@ -192,12 +264,20 @@ def test_isolated_run_that_fails_returns_the_error():
     assert "invalid choice" in row["error"]
 
 
-@pytest.mark.skipif(not hasattr(liger_lab, "patch"), reason="liger_lab.patch is not in this install")
-def test_patched_model_trains_like_the_eager_one(tiny):
+def test_child_still_running_after_its_timeout_is_killed_and_reported():
+    start = time.perf_counter()
+    row = e2e.child_row([sys.executable, "-c", "import time; time.sleep(60)"], {"impl": "hf"}, timeout_s=0.5)
+    assert row["timeout"] is True and row["impl"] == "hf" and "0.5 s" in row["error"]
+    assert time.perf_counter() - start < 30
+
+
+@needs_patch
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_patched_model_trains_like_the_eager_one(preset):
     # Patching is global, so the patched run happens in a fresh process; fp32 on CPU, so the first
     # losses agree closely (same weights, same batch).
-    eager = e2e.train("hf", tiny, 2, 16, steps=2, warmup=0, lr=1e-3)
-    patched = e2e.run_isolated("train", mode="liger_lab", model="tiny", batch=2, seq=16, steps=2, warmup=0, lr=1e-3)
+    eager = e2e.train("hf", e2e.model_config(preset), 2, 16, steps=2, warmup=0, lr=1e-3)
+    patched = e2e.run_isolated("train", mode="liger_lab", model=preset, batch=2, seq=16, steps=2, warmup=0, lr=1e-3)
     assert "error" not in patched, patched.get("error")
     assert patched["loss0"] == pytest.approx(eager["loss0"], abs=runtime.pick(cpu=1e-3, gpu=2e-2))
     assert patched["loss_last"] == pytest.approx(eager["loss_last"], abs=runtime.pick(cpu=1e-2, gpu=5e-2))
@@ -347,3 +427,91 @@ def test_liger_lab_compile_trains_like_eager_liger_lab():
     assert compiled["losses"][-1] < compiled["losses"][0]
     assert compiled["timed_compiles"] == 0
     assert compiled["graph_breaks"] == 0  # every op is a custom operator: one graph for the whole model
+
+
+# --------------------------------------------------------------------------------------------------
+# benchmarks/e2e_vocab.py: each mode against Liger-Kernel on three vocabularies
+
+
+def _vocab_script():
+    spec = importlib.util.spec_from_file_location("e2e_vocab", ROOT / "benchmarks" / "e2e_vocab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _target_line(out: str, target: str) -> str:
+    return next(line for line in out.splitlines() if line.strip().startswith(target))
+
+
+def test_vocab_benchmark_compares_each_preset_with_liger_kernel(tmp_path, monkeypatch, capsys):
+    # Children stand in for GPU runs: (tokens/s, peak GiB, largest batch at 4096) per mode; Liger-Kernel fails
+    # on the Gemma preset.
+    measured = {"hf": (40000.0, 62.6, 2), "liger": (66800.0, 27.8, 16), "liger_lab": (68000.0, 27.8, 12)}
+    calls = []
+
+    def run_isolated(task, *, mode, model, timeout_s, shapes=(), **sizes):
+        calls.append((model, mode, task, timeout_s))
+        if mode == "liger" and model == "gemma3-1.5b":
+            return {"op": f"e2e_{task}", "impl": mode, "batch": 8, "seq": 2048, "error": "ImportError: no module"}
+        speed, peak, largest = measured[mode]
+        if task == "fit":
+            fits = [{"batch": b, "seq": t, "peak_gib": 100.0} for b, t in shapes if b <= largest]
+            oom = next([b, t] for b, t in shapes if b > largest)
+            return {"op": "e2e_fit", "impl": mode, "fits": fits, "oom_at": oom, "largest": [largest, 4096]}
+        losses = [12.16, 12.0, 11.8]
+        return {"op": "e2e", "impl": mode, "warmup": 0, "tokens_per_s": speed, "peak_gib": peak, "losses": losses,
+                "loss0": losses[0], "loss_last": losses[-1], "gpu": "NVIDIA H200", **sizes}  # fmt: skip
+
+    script = _vocab_script()
+    monkeypatch.setattr(script.e2e, "run_isolated", run_isolated)
+    json_path = tmp_path / "vocab.json"
+    status = script.main(["--presets", "1.5b,gemma3-1.5b", "--timeout-s", "120", "--json", str(json_path)])
+    out = capsys.readouterr().out
+    assert status == 1  # Liger-Kernel failed
+    assert [c[:3] for c in calls[:2]] == [("1.5b", "hf", "train"), ("1.5b", "hf", "fit")] and len(calls) == 12
+    assert all(c[3] == 120 for c in calls)
+    rows = json.loads(json_path.read_text())
+    assert len(rows) == 12 and all(r["gpu"] == "NVIDIA H200" and r["timer"] and "child_s" in r for r in rows)
+    fit = next(r for r in rows if r["task"] == "fit")
+    assert fit["seq"] == 4096 and fit["batches"] == [1, 2, 4, 8, 12, 16, 24, 32] and "batch" not in fit
+    assert "12 processes, each killed after --timeout-s 120" in out and "12/12 done" in out
+    llama, gemma = out.split("\ngemma3-1.5b: ")
+    assert "1.5b: llama, 1,498,482,688 parameters, vocabulary 128256" in llama
+    assert re.search(r"liger_lab\s+68000\s+1\.02x\s+27\.8\s+1\.00x\s+12\s+0\.75x", llama)
+    assert " met " in _target_line(llama, "peak GiB <= liger") and " met " in _target_line(llama, "tokens/s >=")
+    assert "MISSED   12.0 against 16.0" in _target_line(llama, "largest batch >= liger")
+    assert "losses liger_lab vs hf at 8x2048: agree" in llama
+    assert "gemma3_text, 1,543,645,184 parameters, vocabulary 262144" in gemma
+    assert all(" n/a " in _target_line(gemma, t) for t in ("peak GiB", "tokens/s", "largest batch"))
+    assert "error: ImportError: no module" in out
+
+
+def test_vocab_benchmark_runs_nothing_past_its_budget(tmp_path, monkeypatch, capsys):
+    script = _vocab_script()
+    monkeypatch.setattr(script.e2e, "run_isolated", lambda *a, **k: pytest.fail("must not start a child"))
+    json_path = tmp_path / "vocab.json"
+    assert script.main(["--presets", "tiny", "--modes", "hf", "--budget-s", "0", "--json", str(json_path)]) == 1
+    rows = json.loads(json_path.read_text())
+    assert [(r["task"], r["skipped"]) for r in rows] == [("train", True), ("fit", True)]
+    assert "not run: --budget-s spent" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@needs_patch
+def test_vocab_benchmark_trains_a_tiny_preset_per_mode_here(tmp_path, capsys):
+    script = _vocab_script()
+    json_path = tmp_path / "vocab.json"
+    args = ["--presets", "tiny-gemma3", "--modes", "hf,liger_lab", "--batch", "1", "--seq", "16", "--steps", "1",
+            "--warmup", "1", "--fit-seq", "16", "--fit-batches", "1,2", "--reference", "hf",
+            "--json", str(json_path)]  # fmt: skip
+    status = script.main(args)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = json.loads(json_path.read_text())
+    assert [(r["impl"], r["task"]) for r in rows] == [("hf", "train"), ("hf", "fit"), ("liger_lab", "train"),
+                                                      ("liger_lab", "fit")]  # fmt: skip
+    assert all(r["model"] == "tiny-gemma3" and r["family"] == "gemma3_text" and r["transformers"] for r in rows)
+    assert all(r["largest"] == [2, 16] for r in rows if r["task"] == "fit")
+    assert "losses liger_lab vs hf at 1x16: agree" in out
+    assert " met " in _target_line(out, "largest batch >= hf")
