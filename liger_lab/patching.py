@@ -74,7 +74,9 @@ class _Family:
     """How one transformers family names and wires the pieces that get fused."""
 
     prefix: str  # class-name prefix in the modeling module: "Llama" -> LlamaRMSNorm, LlamaMLP, LlamaAttention, ...
-    gemma_norm: bool = False  # RMSNorm scales by (1 + w), all in fp32, weight stored as w ("eps" attribute)
+    # How its RMSNorm rounds: "llama" rounds xhat to the input dtype, then multiplies by w; "fp32_weight"
+    # multiplies by w in fp32 and rounds once (OLMo 2); "gemma" scales by (1 + w) in fp32, eps in "eps".
+    norm: str = "llama"
     act_attr: str = "hidden_act"  # config attribute naming the MLP activation
     fused_gate_up: bool = False  # one gate_up_proj whose output is [gate | up] (Phi-3)
     # Norms whose output feeds only linear projections: their backward may overwrite the incoming
@@ -100,20 +102,20 @@ FAMILIES: dict[str, _Family] = {
     "mistral": _Family("Mistral", add_norm=True),
     "qwen2": _Family("Qwen2", add_norm=True),
     "qwen3": _Family("Qwen3", add_norm=True),
-    "gemma": _Family("Gemma", gemma_norm=True),
+    "gemma": _Family("Gemma", norm="gemma"),
     "gemma2": _Family(
-        "Gemma2", gemma_norm=True, act_attr="hidden_activation",
+        "Gemma2", norm="gemma", act_attr="hidden_activation",
         in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
     ),
     "phi3": _Family("Phi3", fused_gate_up=True),
     "gemma3_text": _Family(
-        "Gemma3", gemma_norm=True, act_attr="hidden_activation", module="gemma3",
+        "Gemma3", norm="gemma", act_attr="hidden_activation", module="gemma3",
         in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
     ),
     "qwen3_moe": _Family("Qwen3Moe"),  # experts (fused 3-D weights) and router left as they are
     "mixtral": _Family("Mixtral", mlp=False),
     # Norms after attention and after the MLP, each output added to the residual: none may reuse its gradient.
-    "olmo2": _Family("Olmo2", in_place_norms=()),
+    "olmo2": _Family("Olmo2", norm="fp32_weight", in_place_norms=()),
     "granite": _Family("Granite"),  # its logits are divided by config.logits_scaling, in the loss too
     "smollm3": _Family("SmolLM3", add_norm=True),  # some layers skip RoPE: they never call apply_rotary_pos_emb
     "glm4": _Family("Glm4", fused_gate_up=True, rope=False),
@@ -211,14 +213,32 @@ def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _fp32_weight_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    # (w * xhat).to(dtype) with both in fp32: the kernel's "gemma" casting, without Gemma's offset.
+    return rms_norm_ops.rms_norm(
+        hidden_states,
+        self.weight,
+        self.variance_epsilon,
+        casting_mode="gemma",
+        in_place_backward=self.in_place_backward,
+    )
+
+
 def _gemma_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     return rms_norm_ops.rms_norm(
         x, self.weight, self.eps, offset=1.0, casting_mode="gemma", in_place_backward=self.in_place_backward
     )
 
 
+_NORM_FORWARDS = {
+    "llama": _llama_rms_norm_forward,
+    "fp32_weight": _fp32_weight_rms_norm_forward,
+    "gemma": _gemma_rms_norm_forward,
+}
+
+
 def _norm_class(family: _Family, original: type) -> type:
-    forward = _gemma_rms_norm_forward if family.gemma_norm else _llama_rms_norm_forward
+    forward = _NORM_FORWARDS[family.norm]
     # A class-level default; patch(model) turns it on per module where the gradient may be reused.
     return _fused_subclass(original, forward, in_place_backward=False)
 
