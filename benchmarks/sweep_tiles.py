@@ -1,102 +1,330 @@
-"""Sweep the launch settings of the norm and RoPE kernels on the GPU, timing the whole op fwd+bwd.
+"""Launch settings of the norm, cross-entropy, RoPE and GLU kernels, each passed to the op's launcher as a config.
 
-``python benchmarks/sweep_tiles.py [--json FILE]``. Each variant temporarily replaces one launch-settings
-function (``runtime.persistent_row_launch``, ``runtime.row_launch``, ``runtime.streaming_row_launch`` or
-``ops.rope.rope_tile``), then measures
-``bench.OPS[op]`` for liger_lab at the DESIGN.md shape. The winners become the defaults; the notes in
-``benchmarks/notes/`` say what was measured.
+    python benchmarks/sweep_tiles.py [--only norms|cross_entropy|rope|glu ...] [--json FILE]
+    python benchmarks/sweep_tiles.py --quick     # tiny shapes, one setting besides the default: runs on CPU too
+
+At each op's DESIGN.md shape in bf16, what varies:
+
+- norms (rms_norm, add_rms_norm, layer_norm): the forward's rows per program and warps, and the persistent
+  backward's rows, warps and programs per SM (:class:`liger_lab.runtime.RowLaunch`), each kernel timed alone;
+- cross_entropy: the streaming tile, columns per step and warps (a ``RowLaunch`` too), loss and gradient in one
+  kernel;
+- rope: heads and positions per step and head groups (:class:`liger_lab.ops.rope.RopeTile`), forward+backward;
+- glu (SwiGLU's kernels): block and warps (:class:`liger_lab.runtime.ElementwiseLaunch`), forward+backward.
+
+Every setting's output is first compared with the default's (a setting that computes something else is reported
+and not timed), then timed on the benchmark clock (:func:`liger_lab.profiling.gpu_time_ms`: CUDA-graph replay on
+the GPU), with the bandwidth implied by the fewest bytes the op's table row says it moves. Each row is printed as
+it finishes, then the fastest setting of each kernel against the default. The winners become the defaults in
+``liger_lab/runtime.py`` and ``liger_lab/ops/rope.py``; ``benchmarks/notes/`` says what was measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import itertools
 import json
-from contextlib import contextmanager
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from liger_lab import bench, runtime
-from liger_lab.ops import rope as rope_module
+import liger_lab  # noqa: F401  (chooses GPU or interpreter before triton is imported)
+from liger_lab import bench, profiling, runtime
+from liger_lab.ops import cross_entropy, layer_norm, rms_norm, rope, swiglu
+from liger_lab.ops.table import OPS as TABLE
+
+triton = runtime.triton  # the module liger_lab.runtime imported once it had chosen GPU or interpreter
+
+GROUPS = ("norms", "cross_entropy", "rope", "glu")
+NORMS = ("rms_norm", "add_rms_norm", "layer_norm")
+EPS = 1e-6
 
 
-@contextmanager
-def replaced(owner, name, value):
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
+@dataclass(frozen=True)
+class Settings:
+    """The settings tried for each kind of launch."""
+
+    norm_forward: tuple[tuple[int, int], ...]
+    """(rows per program, warps)"""
+    norm_backward: tuple[tuple[int, int, int], ...]
+    """(rows per tile, warps, programs per SM)"""
+    streaming: tuple[tuple[int, int, int], ...]
+    """(columns per step, rows per program, warps)"""
+    rope: tuple[tuple[int, int, int], ...]
+    """(heads per step, positions per step, head groups)"""
+    elementwise: tuple[tuple[int, int], ...]
+    """(block, warps)"""
 
 
-def fixed_persistent(rows: int, warps: int, per_sm: int):
-    def launch(n_rows: int, n_cols: int) -> runtime.RowLaunch:
-        block_n = runtime.triton.next_power_of_2(n_cols)
-        grid = max(1, min(runtime.triton.cdiv(n_rows, rows), per_sm * runtime.sm_count()))
-        return runtime.RowLaunch(block_n, rows, warps, grid)
-
-    return launch
-
-
-def fixed_rows(rows: int, warps: int):
-    def launch(n_rows: int, n_cols: int) -> runtime.RowLaunch:
-        block_n = runtime.triton.next_power_of_2(n_cols)
-        return runtime.RowLaunch(block_n, rows, warps, runtime.triton.cdiv(n_rows, rows))
-
-    return launch
-
-
-def fixed_streaming(block_n: int, warps: int):
-    def launch(n_rows: int, n_cols: int) -> runtime.RowLaunch:
-        return runtime.RowLaunch(min(block_n, runtime.triton.next_power_of_2(n_cols)), 1, warps, n_rows)
-
-    return launch
+GPU_SETTINGS = Settings(
+    norm_forward=tuple(itertools.product((1, 2, 4, 8), (4, 8, 16))),
+    norm_backward=tuple(itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 4, 8))),
+    streaming=tuple(itertools.product((2048, 4096, 8192, 16384, 32768), (1,), (4, 8, 16, 32))),
+    rope=tuple(itertools.product((2, 4, 8), (8, 16, 32), (1, 2))),
+    elementwise=tuple(itertools.product((1024, 2048, 4096, 8192, 16384), (4, 8, 16))),
+)
+# The interpreter ignores warps and pays per program: one setting besides the default, with few programs.
+QUICK_SETTINGS = Settings(
+    norm_forward=((8, 1),),
+    norm_backward=((8, 1, 2),),
+    streaming=((256, 16, 1),),
+    rope=((2, 8, 2),),
+    elementwise=((1024, 1),),
+)
 
 
-def measure(op: str) -> dict:
-    (result,) = bench.OPS[op].run(impls=["liger_lab"])
-    return {"fwd_ms": round(result.fwd_ms, 4), "full_ms": round(result.full_ms, 4), "peak_mib": result.peak_mib}
+@dataclass(frozen=True)
+class Case:
+    """One kernel, or a forward+backward pair, launched with one setting."""
+
+    op: str
+    kernel: str
+    setting: str
+    config: dict
+    call: Callable[[], Sequence[torch.Tensor]]
+    min_bytes: int
+    default: bool = False
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--only", choices=["norms", "rope", "cross_entropy"], action="append")
-    args = parser.parse_args()
-    groups = args.only or ["norms", "rope", "cross_entropy"]
-    rows_out = []
-    for op in ("rms_norm", "layer_norm") if "norms" in groups else ():
-        rows_out.append({"op": op, "variant": "default", **measure(op)})
-        for rows, warps, per_sm in [(2, 8, 1), (2, 8, 2), (4, 16, 1), (4, 16, 2), (8, 16, 1), (2, 16, 1)]:
-            with replaced(runtime, "persistent_row_launch", fixed_persistent(rows, warps, per_sm)):
-                variant = f"bwd rows={rows} warps={warps} per_sm={per_sm}"
-                rows_out.append({"op": op, "variant": variant, **measure(op)})
-        for rows, warps in [(1, 4), (1, 8), (2, 8), (4, 16)]:
-            with replaced(runtime, "row_launch", fixed_rows(rows, warps)):
-                rows_out.append({"op": op, "variant": f"fwd rows={rows} warps={warps}", **measure(op)})
-    for block_n, warps in [(4096, 8), (4096, 16), (8192, 8), (8192, 16), (8192, 32), (16384, 16), (16384, 32),
-                           (32768, 32)] if "cross_entropy" in groups else ():  # fmt: skip
-        with replaced(runtime, "streaming_row_launch", fixed_streaming(block_n, warps)):
-            variant = f"block_n={block_n} warps={warps}"
-            rows_out.append({"op": "cross_entropy", "variant": variant, **measure("cross_entropy")})
-    if "rope" not in groups:
-        return _report(rows_out, args.json)
-    rows_out.append({"op": "rope", "variant": "default", **measure("rope")})
-    for block_h, block_t, n_groups in [(4, 16, 1), (8, 8, 1), (2, 32, 1), (4, 16, 2), (8, 16, 1), (4, 8, 1)]:
-        tile = functools.partial(rope_module.rope_tile, block_h=block_h, block_t=block_t, n_groups=n_groups)
-        with replaced(rope_module, "rope_tile", tile):
-            variant = f"block_h={block_h} block_t={block_t} groups={n_groups}"
-            rows_out.append({"op": "rope", "variant": variant, **measure("rope")})
-    _report(rows_out, args.json)
+def table_inputs(op: str, quick: bool, dtype: torch.dtype) -> tuple[tuple[int, ...], list]:
+    """The op's shape (its check shape for the interpreter with --quick) and fresh inputs from its table row."""
+    spec = TABLE[op]
+    shape = spec.check_shapes[0] if quick else spec.bench_shape
+    inputs = [v.detach() if isinstance(v, torch.Tensor) else v for v in spec.make_inputs(shape, dtype)]
+    return shape, inputs
 
 
-def _report(rows_out: list[dict], path: str | None) -> None:
-    for row in rows_out:
-        print(row)
-    if path:
-        with open(path, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)
+def _bytes(op: str, shape: tuple[int, ...], passes: float, dtype: torch.dtype) -> int:
+    return profiling.bytes_moved(TABLE[op].elements(shape), passes, dtype)
+
+
+Launcher = Callable[[object], Sequence[torch.Tensor]]
+"""Launches a kernel (or a pair) with the config it is given; returns the tensors it wrote."""
+
+
+def norm_launchers(op: str, inputs: list) -> tuple[Launcher, Launcher]:
+    """(forward, backward) of a norm on 2-D rows."""
+    named = dict(zip(TABLE[op].input_names, inputs, strict=True))
+    x, weight = named["x"].reshape(-1, named["x"].shape[-1]), named["weight"]
+    dy = torch.randn_like(x)
+    if op == "layer_norm":
+        bias = named["bias"]
+        _, mean, rstd = layer_norm.layer_norm_forward(x, weight, bias, EPS)
+        return (
+            lambda launch: layer_norm.layer_norm_forward(x, weight, bias, EPS, launch=launch),
+            lambda launch: layer_norm.layer_norm_backward(dy, x, weight, mean, rstd, launch=launch),
+        )
+    if op == "add_rms_norm":
+        residual, ds = named["residual"].reshape(x.shape), torch.randn_like(x)
+        _, s, rstd = rms_norm.add_rms_norm_forward(x, residual, weight, EPS, 0.0, "llama")
+        return (
+            lambda launch: rms_norm.add_rms_norm_forward(x, residual, weight, EPS, 0.0, "llama", launch=launch),
+            lambda launch: rms_norm.rms_norm_backward(dy, s, weight, rstd, 0.0, ds=ds, launch=launch),
+        )
+    _, rstd = rms_norm.rms_norm_forward(x, weight, EPS, 0.0, "llama")
+    return (
+        lambda launch: rms_norm.rms_norm_forward(x, weight, EPS, 0.0, "llama", launch=launch),
+        lambda launch: rms_norm.rms_norm_backward(dy, x, weight, rstd, 0.0, launch=launch),
+    )
+
+
+def norm_cases(op: str, settings: Settings, quick: bool, dtype: torch.dtype) -> list[Case]:
+    shape, inputs = table_inputs(op, quick, dtype)
+    n_rows, n_cols = math.prod(shape[:-1]), shape[-1]
+    block_n = triton.next_power_of_2(n_cols)
+    forward, backward = norm_launchers(op, inputs)
+    spec = TABLE[op]
+    fwd_bytes = _bytes(op, shape, spec.fwd_passes, dtype)
+    bwd_bytes = _bytes(op, shape, spec.full_passes - spec.fwd_passes, dtype)
+    tiled = [
+        (f"rows={rows} warps={warps}", runtime.RowLaunch(block_n, rows, warps, triton.cdiv(n_rows, rows)))
+        for rows, warps in settings.norm_forward
+    ]
+    persistent = [
+        (
+            f"rows={rows} warps={warps} per_sm={per_sm}",
+            runtime.RowLaunch(block_n, rows, warps, min(triton.cdiv(n_rows, rows), per_sm * runtime.sm_count())),
+        )
+        for rows, warps, per_sm in settings.norm_backward
+    ]
+    return [
+        *setting_cases(op, "forward", forward, runtime.row_launch(n_rows, n_cols), tiled, fwd_bytes),
+        *setting_cases(op, "backward", backward, runtime.persistent_row_launch(n_rows, n_cols), persistent, bwd_bytes),
+    ]
+
+
+def cross_entropy_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> list[Case]:
+    """The default call's kernel: loss and gradient into a fresh buffer, the mean's 1/n read on the GPU."""
+    shape, (logits, target) = table_inputs("cross_entropy", quick, dtype)
+    n_rows, vocab = shape
+    options = cross_entropy.LossOptions()
+    counts = cross_entropy.count_targets(target, vocab, options.ignore_index)
+    loss, grad = torch.empty(n_rows, device=logits.device), torch.empty_like(logits)
+    full_row = triton.next_power_of_2(vocab)
+
+    def launch_with(launch: runtime.RowLaunch | None) -> tuple[torch.Tensor, torch.Tensor]:
+        cross_entropy.cross_entropy_rows(
+            logits, target, loss, options, grad=grad, counts=counts, divide_by_count=True, launch=launch
+        )  # fmt: skip
+        return loss, grad
+
+    tiles = [
+        (
+            f"block_n={block_n} rows={rows} warps={warps}",
+            runtime.RowLaunch(min(block_n, full_row), rows, warps, triton.cdiv(n_rows, rows)),
+        )
+        for block_n, rows, warps in settings.streaming
+    ]
+    default = runtime.streaming_row_launch(n_rows, vocab)
+    min_bytes = _bytes("cross_entropy", shape, TABLE["cross_entropy"].full_passes, dtype)
+    return setting_cases("cross_entropy", "loss+gradient", launch_with, default, tiles, min_bytes)
+
+
+def rope_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> list[Case]:
+    shape, (q, k, cos, sin) = table_inputs("rope", quick, dtype)
+    batch, q_heads, k_heads, seq_len, head_dim = shape
+    dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
+
+    def launch_with(tile: rope.RopeTile) -> tuple[torch.Tensor, ...]:
+        q_out, k_out, dq, dk = (torch.empty_like(t) for t in (q, k, q, k))
+        rope.rope_rotate(q, k, cos, sin, q_out, k_out, backward=False, tile=tile)
+        rope.rope_rotate(dq_out, dk_out, cos, sin, dq, dk, backward=True, tile=tile)
+        return q_out, k_out, dq, dk
+
+    def tile(**overrides: int) -> rope.RopeTile:
+        return rope.rope_tile(batch, seq_len, q_heads, k_heads, head_dim, **overrides)
+
+    tiles = [
+        (f"block_h={h} block_t={t} groups={groups}", tile(block_h=h, block_t=t, n_groups=groups))
+        for h, t, groups in settings.rope
+    ]
+    min_bytes = _bytes("rope", shape, TABLE["rope"].full_passes, dtype)
+    return setting_cases("rope", "forward+backward", launch_with, tile(), tiles, min_bytes)
+
+
+def glu_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> list[Case]:
+    shape, (gate, up) = table_inputs("swiglu", quick, dtype)
+    dout = torch.randn_like(gate)
+    n = gate.numel()
+
+    def launch_with(launch: runtime.ElementwiseLaunch) -> tuple[torch.Tensor, ...]:
+        out = swiglu.glu_forward(gate, up, "silu", launch=launch)
+        return out, *swiglu.glu_backward(dout, gate, up, "silu", in_place=False, launch=launch)
+
+    blocks = [
+        (f"block={block} warps={warps}", runtime.ElementwiseLaunch(block, warps, triton.cdiv(n, block)))
+        for block, warps in settings.elementwise
+    ]
+    min_bytes = _bytes("swiglu", shape, TABLE["swiglu"].full_passes, dtype)
+    return setting_cases("swiglu", "forward+backward", launch_with, runtime.elementwise_launch(n), blocks, min_bytes)
+
+
+def setting_cases(
+    op: str, kernel: str, launch_with: Launcher, default: object, variants: list[tuple[str, object]], min_bytes: int
+) -> list[Case]:
+    """The default setting first, then each variant (one equal to the default is not repeated)."""
+    cases = [Case(op, kernel, "default", _as_dict(default), lambda: launch_with(default), min_bytes, default=True)]
+    for setting, config in variants:
+        if config != default:
+            cases.append(Case(op, kernel, setting, _as_dict(config), lambda c=config: launch_with(c), min_bytes))
+    return cases
+
+
+def _as_dict(config: object) -> dict:
+    return config._asdict() if isinstance(config, tuple) else asdict(config)
+
+
+def same_output(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> bool:
+    """Within 1% of each expected tensor's largest magnitude: a setting may only change the order of sums."""
+    return all(
+        bool((a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max())
+        for a, b in zip(got, expected, strict=True)
+    )
+
+
+def wrong_settings(cases: Sequence[Case]) -> set[int]:
+    """Indices of the cases whose output differs from their kernel's default (which comes first).
+
+    Every case runs once before any is timed: a timed launch would leave correct outputs in memory that a later
+    launch may get back, hiding elements that launch never writes. Here each output is overwritten with NaN once
+    copied, so such elements show."""
+    expected, wrong = {}, set()
+    for index, case in enumerate(cases):
+        written = case.call()
+        output = [t.clone() for t in written]
+        for tensor in written:
+            tensor.fill_(math.nan)
+        if case.default:
+            expected[case.op, case.kernel] = output
+        elif not same_output(output, expected[case.op, case.kernel]):
+            wrong.add(index)
+    return wrong
+
+
+def run(cases: Sequence[Case]) -> list[dict]:
+    """Time each setting that computes what its kernel's default does, printing each row as it finishes."""
+    rows, wrong = [], wrong_settings(cases)
+    for index, case in enumerate(cases):
+        row = {"op": case.op, "kernel": case.kernel, "setting": case.setting, "config": case.config,
+               "default": case.default}  # fmt: skip
+        if index in wrong:
+            print(f"{case.op:<14}{case.kernel:<18}{case.setting:<34} output differs from the default: not timed")
+            rows.append({**row, "error": "output differs from the default setting's"})
+            continue
+        ms, timer = profiling.gpu_time_ms(case.call)
+        gbs = profiling.achieved_gbs(case.min_bytes, ms)
+        rows.append({**row, "ms": round(ms, 4), "gbs": round(gbs, 1), "timer": timer})
+        bandwidth = "" if runtime.INTERPRET else f"{gbs:7.0f} GB/s"
+        mark = "  (default)" if case.default else ""
+        print(f"{case.op:<14}{case.kernel:<18}{case.setting:<34}{ms:9.4f} ms {bandwidth}  {timer}{mark}", flush=True)
+        torch.cuda.empty_cache() if not runtime.INTERPRET else None
+    return rows
+
+
+def fastest(rows: Sequence[dict]) -> list[str]:
+    """Per kernel: the fastest setting and its time against the default's."""
+    lines = []
+    for op, kernel in dict.fromkeys((r["op"], r["kernel"]) for r in rows):
+        timed = [r for r in rows if (r["op"], r["kernel"]) == (op, kernel) and "ms" in r]
+        best = min(timed, key=lambda r: r["ms"])
+        default = next(r for r in timed if r["default"])
+        config = " ".join(f"{key}={value}" for key, value in best["config"].items())
+        lines.append(f"{op} {kernel}: fastest {config} at {best['ms']:.4f} ms, "
+                     f"{best['ms'] / default['ms']:.2f}x the default's {default['ms']:.4f} ms")  # fmt: skip
+    return lines
+
+
+def cases_of(groups: Sequence[str], quick: bool) -> list[Case]:
+    settings = QUICK_SETTINGS if quick else GPU_SETTINGS
+    dtype = runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)  # the interpreter's bf16 stores truncate
+    cases = []
+    for op in NORMS if "norms" in groups else ():
+        cases += norm_cases(op, settings, quick, dtype)
+    builders = {"cross_entropy": cross_entropy_cases, "rope": rope_cases, "glu": glu_cases}
+    for group, build in builders.items():
+        cases += build(settings, quick, dtype) if group in groups else []
+    return cases
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=GROUPS, action="append", help="kernels to sweep (repeatable; default all)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one setting per kernel besides the default")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args(argv)
+    if runtime.INTERPRET and not args.quick:
+        raise SystemExit("sweep_tiles.py times the protocol shapes on a GPU; --quick runs tiny ones here")
+    print(runtime.describe(), flush=True)
+    rows = run(cases_of(args.only or GROUPS, args.quick))
+    print("\n".join(fastest(rows)))
+    if args.json:
+        environment = bench.environment()
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([{**row, **environment} for row in rows], indent=1) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ Every figure here is measured the same way for every implementation, in the same
 * time: the median of many calls. On the GPU, forward and forward+backward are captured in a CUDA graph
   and replayed (``triton.testing.do_bench_cudagraph``), so the figure is GPU time, not the Python and
   launch overhead that dominates a 0.1 ms op; where capture is impossible (an op that reads a value back
-  to the host), the sum of its kernels' durations under ``torch.profiler``, with the wall time of a call
-  (``triton.testing.do_bench``) next to it. The row's ``timer`` says which. On CPU a wall clock that times
-  the interpreter, labelled as such, never to be read as GPU speed;
+  to the host), the sum of its kernels' durations under ``torch.profiler``. The row's ``timer`` says which
+  (:func:`gpu_time_ms` chooses), and the wall time of a call (``triton.testing.do_bench``) stands next to it.
+  On CPU a wall clock that times the interpreter, labelled as such, never to be read as GPU speed;
 * peak memory: ``torch.cuda.max_memory_allocated`` during one forward+backward, above what was already
   allocated (the inputs and the upstream gradient); not measurable on CPU;
 * bytes moved: the fewest bytes the op must read and write (each input once, each output once) — the
@@ -31,6 +31,24 @@ MIB = 2**20
 def time_ms(fn: Callable[[], object]) -> float:
     """Median milliseconds of ``fn()`` (see :func:`liger_lab.runtime.measure_ms` for how)."""
     return runtime.measure_ms(fn)
+
+
+def gpu_time_ms(fn: Callable[[], object], *, graph: bool = True) -> tuple[float, str]:
+    """Median time of ``fn()`` on the benchmark protocol's clock, and the clock's name (a row's ``timer``).
+
+    ``"cuda_graph"``: replayed from a CUDA graph, GPU time without Python and launch overhead; tried only when
+    ``graph`` is set, since a failed capture (an op that reads a value back to the host) leaves the CUDA RNG
+    unusable. ``"profiler"``: the sum of its kernels' durations under ``torch.profiler``, for what no graph
+    captures. ``"wall_clock"``: the interpreter's host time, which says nothing about GPU speed.
+    """
+    if graph:
+        ms = runtime.measure_graph_ms(fn)
+        if ms is not None:
+            return ms, "cuda_graph"
+    ms = runtime.measure_kernel_sum_ms(fn)
+    if ms:  # None in the interpreter
+        return ms, "profiler"
+    return time_ms(fn), "wall_clock"
 
 
 def peak_memory_mib(fn: Callable[[], object]) -> float | None:
@@ -88,9 +106,10 @@ class Result:
     full_tflops: float | None = None
     bandwidth_fraction: float | None = None
     timer: str = "do_bench"
+    """The clock of ``full_ms`` (see :func:`gpu_time_ms`)."""
     wall_ms: float | None = None
-    """Forward+backward per call as a user without CUDA graphs sees it (CUDA events around each call), when
-    ``full_ms`` is the profiler's kernel sum."""
+    """Forward+backward per call as a user without CUDA graphs sees it (CUDA events around each call), on the
+    GPU whatever the clock of ``full_ms``."""
 
     def as_row(self) -> dict:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -133,16 +152,11 @@ def measure(
         torch.autograd.grad(_tensors(fn(*inputs)), leaves, upstream)
 
     peak = peak_memory_mib(forward_backward)
-    fwd_ms = full_ms = None
-    if graph:
-        fwd_ms, full_ms = runtime.measure_graph_ms(forward), runtime.measure_graph_ms(forward_backward)
-    timer, wall_ms = "cuda_graph", None
-    if fwd_ms is None or full_ms is None:
-        wall_fwd_ms, wall_ms = time_ms(forward), time_ms(forward_backward)
-        fwd_ms = runtime.measure_kernel_sum_ms(forward) or wall_fwd_ms
-        full_ms = runtime.measure_kernel_sum_ms(forward_backward) or wall_ms
-        timer = "profiler" if not runtime.INTERPRET else "wall_clock"
-    result = Result(op, impl, fwd_ms, full_ms, peak, timer=timer, wall_ms=None if runtime.INTERPRET else wall_ms)
+    full_ms, timer = gpu_time_ms(forward_backward, graph=graph)
+    fwd_ms, _ = gpu_time_ms(forward, graph=timer == "cuda_graph")
+    # In the interpreter full_ms already is a wall clock.
+    wall_ms = None if runtime.INTERPRET else time_ms(forward_backward)
+    result = Result(op, impl, fwd_ms, full_ms, peak, timer=timer, wall_ms=wall_ms)
     if fwd_bytes is not None:
         result.fwd_gbs = achieved_gbs(fwd_bytes, fwd_ms)
     if full_bytes is not None:
@@ -153,6 +167,14 @@ def measure(
     if full_flops is not None:
         result.full_tflops = full_flops / (full_ms * 1e-3) / 1e12
     return result
+
+
+def result_line(r: Result) -> str:
+    """One measured implementation in a line (op, implementation, time and clock, peak memory): what a long run
+    prints as each measurement finishes."""
+    wall = "" if r.wall_ms is None else f", wall {r.wall_ms:.3f} ms"
+    peak = "n/a" if r.peak_mib is None else f"{r.peak_mib:.0f} MiB"
+    return f"{r.op:<28}{r.impl:<28}fwd+bwd {r.full_ms:9.3f} ms ({r.timer}{wall})  peak {peak}"
 
 
 def print_table(results: Sequence[Result]) -> None:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -157,14 +157,23 @@ def streaming_row_launch(n_rows: int, n_cols: int, *, gpu_tile: int = _GPU_MAX_T
     return RowLaunch(block_n, rows, num_warps, max(1, triton.cdiv(n_rows, rows)))
 
 
-def elementwise_launch(n_elements: int) -> tuple[int, int, int]:
-    """(block, num_warps, grid) for a flat elementwise kernel."""
+class ElementwiseLaunch(NamedTuple):
+    """How a flat elementwise kernel splits n elements: blocks of ``block``, one per program. A tuple, so
+    ``block, num_warps, grid = elementwise_launch(n)`` unpacks it."""
+
+    block: int
+    num_warps: int
+    grid: int
+
+
+def elementwise_launch(n_elements: int) -> ElementwiseLaunch:
+    """Blocks for a flat elementwise kernel."""
     if INTERPRET:
         # The interpreter pays per program, not per element: about four big programs, at most 2**20 each.
         block = min(max(1024, triton.next_power_of_2(triton.cdiv(n_elements, 4))), 2**20)
-        return block, 1, triton.cdiv(n_elements, block)
+        return ElementwiseLaunch(block, 1, triton.cdiv(n_elements, block))
     block = 4096
-    return block, 8, triton.cdiv(n_elements, block)
+    return ElementwiseLaunch(block, 8, triton.cdiv(n_elements, block))
 
 
 def read_later(values: torch.Tensor) -> Callable[[], list]:

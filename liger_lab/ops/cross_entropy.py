@@ -257,16 +257,18 @@ def cross_entropy_rows(
     row_scale: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     divide_by_count: bool = False,
+    launch: runtime.RowLaunch | None = None,
 ) -> None:
     """Launch the kernel on a (rows, V) view with unit column stride: per-row fp32 losses into ``loss``;
     when ``grad`` (rows, V) is given (it may be ``logits`` itself), the gradient times ``grad_scale``
     (times ``row_scale[r]`` when given) into it. ``counts`` from :func:`count_targets`, when given: no
     gradient is written if any target is out of range, and ``divide_by_count`` divides it by the kept
-    count (a mean's 1/n, read on the GPU)."""
+    count (a mean's 1/n, read on the GPU). ``launch``: the tiling, :func:`liger_lab.runtime.streaming_row_launch`'s
+    by default (a sweep passes its own)."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    launch = runtime.streaming_row_launch(n_rows, n_cols)
+    launch = launch or runtime.streaming_row_launch(n_rows, n_cols)
     _cross_entropy_kernel[(launch.grid,)](
         logits, logits.stride(0), grad if grad is not None else logits, grad.stride(0) if grad is not None else 0,
         target, loss, row_scale if row_scale is not None else loss, counts if counts is not None else loss,

@@ -104,16 +104,22 @@ def _layer_norm_backward_kernel(
 
 
 def layer_norm_forward(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    *,
+    launch: runtime.RowLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward on a 2-D row view. Returns (y, mean, rstd)."""
+    """Launch the forward on a 2-D row view. Returns (y, mean, rstd). ``launch``: the tiling,
+    :func:`liger_lab.runtime.row_launch`'s by default (a sweep passes its own)."""
     n_rows, n_cols = x.shape
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if y.numel() == 0:
         return y, mean, rstd
-    launch = runtime.row_launch(n_rows, n_cols)
+    launch = launch or runtime.row_launch(n_rows, n_cols)
     _layer_norm_forward_kernel[(launch.grid,)](
         x, x.stride(0), weight, bias, y, y.stride(0), mean, rstd, n_rows, n_cols, eps,
         ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
@@ -122,15 +128,22 @@ def layer_norm_forward(
 
 
 def layer_norm_backward(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    *,
+    launch: runtime.RowLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward on 2-D row views. Returns (dx, dw, db)."""
+    """Launch the backward on 2-D row views. Returns (dx, dw, db). ``launch``: the persistent grid,
+    :func:`liger_lab.runtime.persistent_row_launch`'s by default."""
     n_rows, n_cols = x.shape
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight), torch.zeros_like(weight)
-    launch = runtime.persistent_row_launch(n_rows, n_cols)
+    launch = launch or runtime.persistent_row_launch(n_rows, n_cols)
     partials = torch.empty((launch.grid, 2 * n_cols), dtype=torch.float32, device=x.device)
     _layer_norm_backward_kernel[(launch.grid,)](
         dy, dy.stride(0), x, x.stride(0), weight, mean, rstd, dx, dx.stride(0), partials, n_rows, n_cols,

@@ -141,15 +141,17 @@ def _forward(
     offset: float,
     casting_mode: str,
     residual: torch.Tensor | None,
+    launch: runtime.RowLaunch | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Launch the forward on 2-D row views: (y, s, rstd), with s = x + residual (None without a residual)."""
+    """Launch the forward on 2-D row views: (y, s, rstd), with s = x + residual (None without a residual).
+    ``launch``: the tiling, :func:`liger_lab.runtime.row_launch`'s by default (a sweep passes its own)."""
     n_rows, n_cols = x.shape
     y = torch.empty((n_rows, n_cols), dtype=_output_dtype(x, weight, casting_mode), device=x.device)
     s = None if residual is None else torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return y, s, rstd
-    launch = runtime.row_launch(n_rows, n_cols)
+    launch = launch or runtime.row_launch(n_rows, n_cols)
     # Every argument is passed, None where unused: torch.compile's analysis of a traced launch wants them all.
     _rms_norm_forward_kernel[(launch.grid,)](
         x, x.stride(0), weight, y, y.stride(0), rstd, n_rows, n_cols, eps, offset,
@@ -162,18 +164,31 @@ def _forward(
 
 
 def rms_norm_forward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    casting_mode: str,
+    *,
+    launch: runtime.RowLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward on a 2-D row view. Returns (y, rstd)."""
-    y, _, rstd = _forward(x, weight, eps, offset, casting_mode, residual=None)
+    y, _, rstd = _forward(x, weight, eps, offset, casting_mode, residual=None, launch=launch)
     return y, rstd
 
 
 def add_rms_norm_forward(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    casting_mode: str,
+    *,
+    launch: runtime.RowLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused add + norm on 2-D row views of one shape and dtype. Returns (y, s, rstd)."""
-    return _forward(x, weight, eps, offset, casting_mode, residual=residual)
+    return _forward(x, weight, eps, offset, casting_mode, residual=residual, launch=launch)
 
 
 def rms_norm_backward(
@@ -184,16 +199,19 @@ def rms_norm_backward(
     offset: float,
     dx: torch.Tensor | None = None,
     ds: torch.Tensor | None = None,
+    *,
+    launch: runtime.RowLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward on 2-D row views. Returns (dx, dw); dx goes into ``dx`` when given (it may be
     ``dy`` itself: each program reads a tile before it writes it). ``ds``, when given, is a gradient that
-    reached x directly (x is then the fused add's sum, an output of its own) and is added into dx."""
+    reached x directly (x is then the fused add's sum, an output of its own) and is added into dx.
+    ``launch``: the persistent grid, :func:`liger_lab.runtime.persistent_row_launch`'s by default."""
     n_rows, n_cols = x.shape
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if dx is None else dx
     if n_rows == 0:  # no rows: no launch (a persistent grid of 0 programs), and dw sums nothing
         return dx, torch.zeros_like(weight)
-    launch = runtime.persistent_row_launch(n_rows, n_cols)
+    launch = launch or runtime.persistent_row_launch(n_rows, n_cols)
     dw_partial = torch.empty((launch.grid, n_cols), dtype=torch.float32, device=x.device)
     if ds is not None and ds.stride(-1) != 1:
         ds = ds.contiguous()

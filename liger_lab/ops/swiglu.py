@@ -86,27 +86,36 @@ def _glu_backward_kernel(
     tl.store(dup_ptr + offsets, (dout * act).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """Launch the forward on contiguous tensors of one shape and dtype. Returns act(gate) * up."""
+def glu_forward(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, *, launch: runtime.ElementwiseLaunch | None = None
+) -> torch.Tensor:
+    """Launch the forward on contiguous tensors of one shape and dtype. Returns act(gate) * up. ``launch``: the
+    blocks, :func:`liger_lab.runtime.elementwise_launch`'s by default (a sweep passes its own)."""
     out = torch.empty_like(gate)
     n = gate.numel()
     if n == 0:
         return out
-    block, num_warps, grid = runtime.elementwise_launch(n)
+    block, num_warps, grid = launch or runtime.elementwise_launch(n)
     _glu_forward_kernel[(grid,)](gate, up, out, n, ACTIVATION=activation, BLOCK=block, num_warps=num_warps)
     return out
 
 
 def glu_backward(
-    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, in_place: bool
+    dout: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    in_place: bool,
+    *,
+    launch: runtime.ElementwiseLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward on contiguous tensors. Returns (d_gate, d_up), written over (gate, up) when
-    ``in_place``."""
+    ``in_place``. ``launch`` as in :func:`glu_forward`."""
     dgate, dup = (gate, up) if in_place else (torch.empty_like(gate), torch.empty_like(up))
     n = gate.numel()
     if n == 0:
         return dgate, dup
-    block, num_warps, grid = runtime.elementwise_launch(n)
+    block, num_warps, grid = launch or runtime.elementwise_launch(n)
     _glu_backward_kernel[(grid,)](
         dout, gate, up, dgate, dup, n, ACTIVATION=activation, BLOCK=block, num_warps=num_warps
     )  # fmt: skip

@@ -1,0 +1,78 @@
+"""The sweeps of benchmarks/ in their small --quick form: launch configs passed to the launchers, chunk sizes passed
+as the op's keyword."""
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from liger_lab import runtime
+from liger_lab.ops import rms_norm
+
+ROOT = Path(__file__).resolve().parents[1]
+CLOCKS = ("cuda_graph", "profiler", "wall_clock")
+
+
+@pytest.fixture
+def benchmarks(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module
+
+
+def test_a_launcher_takes_its_config_and_never_asks_for_the_default(monkeypatch):
+    x, weight = torch.randn(37, 96, device=runtime.DEVICE), torch.randn(96, device=runtime.DEVICE)
+    expected, rstd = rms_norm.rms_norm_forward(x, weight, 1e-6, 0.0, "llama")
+    dx, dw = rms_norm.rms_norm_backward(torch.ones_like(x), x, weight, rstd, 0.0)
+
+    def no_default(*args, **kwargs):
+        raise AssertionError("the default launch settings were consulted")
+
+    monkeypatch.setattr(runtime, "row_launch", no_default)
+    monkeypatch.setattr(runtime, "persistent_row_launch", no_default)
+    tiled = runtime.RowLaunch(block_n=128, rows=4, num_warps=1, grid=10)
+    y, _ = rms_norm.rms_norm_forward(x, weight, 1e-6, 0.0, "llama", launch=tiled)
+    torch.testing.assert_close(y, expected)
+    persistent = runtime.RowLaunch(block_n=128, rows=8, num_warps=1, grid=3)
+    got_dx, got_dw = rms_norm.rms_norm_backward(torch.ones_like(x), x, weight, rstd, 0.0, launch=persistent)
+    torch.testing.assert_close((got_dx, got_dw), (dx, dw))
+
+
+def test_sweep_tiles_checks_each_setting_against_the_default_and_times_it(benchmarks, tmp_path, capsys):
+    sweep = benchmarks("sweep_tiles")
+    json_path = tmp_path / "tiles.json"
+    sweep.main(["--quick", "--json", str(json_path)])
+    rows = json.loads(json_path.read_text())
+    kernels = {(r["op"], r["kernel"]) for r in rows}
+    assert {("rms_norm", "backward"), ("add_rms_norm", "forward"), ("layer_norm", "backward")} <= kernels
+    assert {("cross_entropy", "loss+gradient"), ("rope", "forward+backward"), ("swiglu", "forward+backward")} <= kernels
+    for kernel in kernels:
+        of_kernel = [r for r in rows if (r["op"], r["kernel"]) == kernel]
+        assert sum(r["default"] for r in of_kernel) == 1 and len(of_kernel) == 2, of_kernel
+    assert all("error" not in r and r["ms"] > 0 and r["timer"] in CLOCKS for r in rows)
+    assert "rope forward+backward: fastest" in capsys.readouterr().out
+
+
+def test_sweep_tiles_drops_a_setting_that_computes_something_else(benchmarks):
+    sweep = benchmarks("sweep_tiles")
+    shape, inputs = sweep.table_inputs("rms_norm", True, torch.float32)
+    assert shape == (3, 37, 96)
+    forward, _ = sweep.norm_launchers("rms_norm", inputs)
+    settings = [
+        ("too few programs", runtime.RowLaunch(block_n=128, rows=8, num_warps=1, grid=1)),  # 8 rows of 111
+        ("rows=4", runtime.RowLaunch(block_n=128, rows=4, num_warps=1, grid=28)),
+    ]
+    rows = sweep.run(sweep.setting_cases("rms_norm", "forward", forward, runtime.row_launch(111, 96), settings, 1))
+    assert rows[0]["default"] and "error" in rows[1] and "ms" in rows[2]
+
+
+def test_sweep_chunks_passes_each_size_as_the_keyword_with_a_variant_and_a_peer(benchmarks, tmp_path):
+    json_path = tmp_path / "chunks.json"
+    benchmarks("sweep_chunks").main(["fused_linear_cross_entropy", "chunk_tokens", "32", "--quick", "--peer", "eager",
+                                     "--variant", "in_place_backward", "--json", str(json_path)])  # fmt: skip
+    rows = json.loads(json_path.read_text())
+    assert [r["impl"] for r in rows] == ["eager", "liger_lab:in_place_backward",
+                                         "liger_lab:in_place_backward,chunk_tokens=32", "eager"]  # fmt: skip
+    assert [r.get("position") for r in rows] == ["before", None, None, "after"]
+    assert all(r["shape"] == [67, 64, 1000] and r["full_ms"] > 0 for r in rows)
