@@ -156,10 +156,12 @@ def run_op_benchmarks(
     dtype: torch.dtype = torch.bfloat16,
     shapes: dict[str, tuple[int, ...]] | None = None,
     small: bool = False,
+    report: Callable[[profiling.Result], None] | None = None,
 ) -> tuple[list[profiling.Result], list[str]]:
     """Measure every available implementation of each op; returns (results, failures).
 
-    An implementation that raises is listed in ``failures`` and the others still run.
+    An implementation that raises is listed in ``failures`` and the others still run. ``report``, when given,
+    gets each result as soon as it is measured (and replaces the progress bar).
     """
     jobs, failures = [], []
     for name in ops:
@@ -168,12 +170,17 @@ def run_op_benchmarks(
                 continue
             jobs.append((name, impl))
     results = []
-    for name, impl in tqdm(jobs, desc="benchmarking", unit="impl", disable=None, leave=False):
+    for name, impl in tqdm(jobs, desc="benchmarking", unit="impl", disable=True if report else None, leave=False):
         shape = (shapes or {}).get(name) or op_shape(OPS[name], small)
         try:
-            results += OPS[name].run(shape, dtype, impls=[impl])
+            measured = OPS[name].run(shape, dtype, impls=[impl])
         except Exception as error:  # one failing implementation must not hide the others' numbers
             failures.append(f"{name} {impl} {shape}: {type(error).__name__}: {error}")
+            continue
+        results += measured
+        if report is not None:
+            for result in measured:
+                report(result)
     return results, failures
 
 

@@ -222,13 +222,18 @@ def _parse_shape(text: str) -> tuple[int, ...]:
 def bench_ops(ops, impls, dtype, small, shape, json_path, plot_path) -> None:
     """Time forward and forward+backward and measure peak memory of each op, every implementation.
 
-    On the GPU: the protocol shapes (norms 16384 x 4096, ...), CUDA-event medians. In the interpreter:
-    small shapes and a CPU wall clock that says nothing about GPU speed.
+    On the GPU: the protocol shapes (norms 16384 x 4096, ...), GPU time by CUDA-graph replay or the kernel sum
+    under torch.profiler, with the wall time of a call beside it. In the interpreter: small shapes and a CPU wall
+    clock that says nothing about GPU speed. Each implementation is printed as it finishes, then the table.
     """
     ops = ops or list(bench.OPS)
     shapes = {name: _parse_shape(shape) for name in ops} if shape else None
     click.echo(runtime.describe())
-    results, failures = bench.run_op_benchmarks(ops, impls=impls, dtype=DTYPES[dtype], shapes=shapes, small=small)
+    results, failures = bench.run_op_benchmarks(
+        ops, impls=impls, dtype=DTYPES[dtype], shapes=shapes, small=small,
+        report=lambda result: click.echo(profiling.result_line(result)),
+    )  # fmt: skip
+    click.echo()
     for line in failures:
         click.echo(f"FAILED {line}", err=True)
     if not results:

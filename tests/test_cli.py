@@ -94,6 +94,9 @@ def test_bench_ops_writes_json_rows_and_a_plot(tmp_path):
     assert {row["impl"] for row in rows} == set(cli.bench.OPS["rms_norm"].available())
     assert plot_path.stat().st_size > 0
     assert "fwd+bwd ms" in result.output
+    # Each implementation's line is printed as it finishes, before the table (which starts with its timer).
+    progress = [line.split()[:2] for line in result.output.split("timer:")[0].splitlines() if " fwd+bwd " in line]
+    assert progress == [["rms_norm", impl] for impl in cli.bench.OPS["rms_norm"].available()]
 
 
 def test_bench_ops_with_a_failing_kernel_still_measures_the_others(monkeypatch, tmp_path):
