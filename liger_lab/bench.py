@@ -68,19 +68,26 @@ class OpBench:
         for impl, fn in self.available().items():
             if impls is not None and impl not in impls:
                 continue
-            results.append(
-                profiling.measure(
-                    self.name,
-                    impl,
-                    fn,
-                    lambda: self.make_inputs(shape, dtype),
-                    fwd_bytes=profiling.bytes_moved(n, self.fwd_passes, dtype),
-                    full_bytes=profiling.bytes_moved(n, self.full_passes, dtype) if self.full_passes else None,
-                    full_flops=self.flops(shape) if self.flops else None,
-                    graph=self.graph_timing,
-                )  # fmt: skip
-            )
-            torch.cuda.empty_cache() if not runtime.INTERPRET else None
+            if impl == "torch_compile":
+                # Compile for this shape alone, as a fixed-shape training run does. Code compiled for earlier
+                # shapes would make this one a dynamic-shape graph, and past Dynamo's recompile limit the
+                # "compiled" row would run eager (Dynamo only warns).
+                torch.compiler.reset()
+            try:
+                results.append(
+                    profiling.measure(
+                        self.name,
+                        impl,
+                        fn,
+                        lambda: self.make_inputs(shape, dtype),
+                        fwd_bytes=profiling.bytes_moved(n, self.fwd_passes, dtype),
+                        full_bytes=profiling.bytes_moved(n, self.full_passes, dtype) if self.full_passes else None,
+                        full_flops=self.flops(shape) if self.flops else None,
+                        graph=self.graph_timing,
+                    )  # fmt: skip
+                )
+            finally:  # an implementation that ran out of memory must not leave its blocks to the next one
+                torch.cuda.empty_cache() if not runtime.INTERPRET else None
         return results
 
     def floor_ms(self, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.bfloat16) -> float | None:
@@ -207,6 +214,60 @@ def plot_ops(results: Sequence[profiling.Result], title: str = ""):
     for ax in list(axes.flat)[len(ops) :]:
         ax.axis("off")
     fig.suptitle(title or "forward+backward time (labels: speed-up over eager)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_shape_sweep(rows: Sequence[dict], ours: str = "liger_lab"):
+    """One small panel per op: the time of ``ours`` over each peer's at the same shape, against the shape's
+    elements (log scale), with a line at 1: a point above it is a shape where ``ours`` is slower.
+
+    ``rows`` are those of ``benchmarks/sweep_shapes.py`` (``liger_lab.results.load`` reads a committed file): op,
+    impl, shape, series (the line a shape belongs to, e.g. "hidden 4096"), elements, gpu_ms and clock. A point
+    whose two rows were timed by different clocks is drawn as a cross.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    timed = [r for r in rows if r.get("gpu_ms")]
+    by_key = {(r["op"], r["impl"], tuple(r["shape"])): r for r in timed}
+    ops = [name for name in OPS if any(r["op"] == name for r in timed)]
+    peers = [impl for impl in dict.fromkeys(r["impl"] for r in timed) if impl != ours]
+    cols = max(1, min(4, len(ops)))
+    grid_rows = max(1, math.ceil(len(ops) / cols))
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(3.8 * cols, 3.0 * grid_rows), squeeze=False)
+    styles = {peer: ("-", "--", ":", "-.")[index % 4] for index, peer in enumerate(peers)}
+    for ax, op in zip(axes.flat, ops, strict=False):
+        ax.axhline(1.0, color="k", lw=0.8)
+        series = list(dict.fromkeys(r["series"] for r in timed if r["op"] == op))
+        for index, (name, peer) in enumerate((name, peer) for name in series for peer in peers):
+            points = []  # (elements, time ratio, whether the two rows used different clocks)
+            for r in timed:
+                theirs = by_key.get((op, peer, tuple(r["shape"])))
+                if (r["op"], r["impl"], r["series"]) == (op, ours, name) and theirs:
+                    points.append((r["elements"], r["gpu_ms"] / theirs["gpu_ms"], r["clock"] != theirs["clock"]))
+            points.sort()
+            color = f"C{index % 10}"
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], styles[peer], color=color,
+                        label=f"{name}, vs {peer}")  # fmt: skip
+            for x, ratio, mixed in points:
+                ax.plot(x, ratio, "x" if mixed else "o", color=color, ms=4)
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks of a short log axis overlap
+        ax.set_title(op, fontsize=9)
+        ax.set_xlabel("elements", fontsize=8)
+        ax.set_ylabel(f"time {ours} / peer", fontsize=8)
+        ax.tick_params(labelsize=7)
+        if ax.lines[1:]:
+            ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(ops) :]:
+        ax.axis("off")
+    clocks = {r["clock"] for r in timed}
+    where = ", ".join(dict.fromkeys(r.get("gpu", "?") for r in timed))
+    clock = "the interpreter's wall clock, not GPU speed" if clocks == {"wall_clock"} else "GPU time"
+    fig.suptitle(f"forward+backward time of {ours} over each peer's, {where} ({clock}); above 1: {ours} slower",
+                 fontsize=10)  # fmt: skip
     fig.tight_layout()
     return fig
 

@@ -1,5 +1,5 @@
 """The sweeps of benchmarks/ in their small --quick form: launch configs passed to the launchers, chunk sizes passed
-as the op's keyword."""
+as the op's keyword, and the shape sweep's rows, resume and plot."""
 
 import importlib
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from liger_lab import runtime
+from liger_lab import bench, runtime
 from liger_lab.ops import rms_norm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,3 +76,46 @@ def test_sweep_chunks_passes_each_size_as_the_keyword_with_a_variant_and_a_peer(
                                          "liger_lab:in_place_backward,chunk_tokens=32", "eager"]  # fmt: skip
     assert [r.get("position") for r in rows] == ["before", None, None, "after"]
     assert all(r["shape"] == [67, 64, 1000] and r["full_ms"] > 0 for r in rows)
+
+
+def test_sweep_shapes_prints_each_row_writes_json_resumes_and_plots(benchmarks, tmp_path, capsys):
+    sweep = benchmarks("sweep_shapes")
+    json_path, plot_path = tmp_path / "shapes.json", tmp_path / "shapes.png"
+    common = ["--quick", "--impl", "liger_lab", "--impl", "eager", "--json", str(json_path)]
+    ops = ["--op", "rms_norm", "--op", "cross_entropy", "--op", "fused_linear_cross_entropy"]
+    # No shape fits a budget of 0 s: nothing is measured, and the run says so.
+    assert sweep.main([*common, *ops, "--budget-s", "0"]) == 0
+    assert json.loads(json_path.read_text()) == [] and "run again with" in capsys.readouterr().out
+
+    assert sweep.main([*common, "--op", "rms_norm", "--op", "cross_entropy", "--memory-gib", "1e-5"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped cross_entropy (32, 300)" in out and "every shape is done" in out
+    first = json.loads(json_path.read_text())
+    assert (32, 300) not in {tuple(r["shape"]) for r in first if r["op"] == "cross_entropy"}
+
+    assert sweep.main([*common, *ops, "--resume", "--plot", str(plot_path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(json_path.read_text())
+    assert rows[: len(first)] == first  # kept, not measured again
+    points, _ = sweep.points(["rms_norm", "cross_entropy", "fused_linear_cross_entropy"], sweep.QUICK_LADDER, 100)
+    assert {(r["op"], tuple(r["shape"]), r["impl"]) for r in rows} == {
+        (p.op, p.shape, impl) for p in points for impl in ("liger_lab", "eager")
+    }
+    for row in rows:
+        assert {"op", "impl", "shape", "gpu_ms", "clock", "wall_ms", "peak_mib", "gpu", "torch", "date"} <= set(row)
+        assert row["gpu_ms"] > 0 and row["clock"] in CLOCKS
+        assert row["elements"] == bench.OPS[row["op"]].elements(tuple(row["shape"]))
+    assert "fused_linear_cross_entropy" in out and "liger_lab at" in out  # a peer's line gives the ratio
+    assert plot_path.stat().st_size > 0
+
+
+def test_the_shape_ladder_matches_the_models_it_stands_for(benchmarks):
+    sweep = benchmarks("sweep_shapes")
+    todo, skipped = sweep.points(sweep.OPS, sweep.GPU_LADDER, 100)
+    shapes = {(p.op, p.shape) for p in todo}
+    assert ("rope", (1, 32, 8, 2048, 128)) in shapes and ("rope", (16, 64, 16, 4096, 128)) in shapes
+    assert ("swiglu", (8192, 14336)) in shapes and ("fused_linear_cross_entropy", (8192, 4096, 262144)) in shapes
+    assert ("cross_entropy", (65536, 262144)) in shapes and not skipped  # 32 GiB of logits, 64 with the gradient
+    assert {p.op for p in todo} == set(sweep.OPS)
+    _, skipped = sweep.points(["cross_entropy"], sweep.GPU_LADDER, 60)
+    assert [p.shape for p in skipped] == [(65536, 262144)]
