@@ -245,22 +245,27 @@ def same_output(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -
     )
 
 
-def wrong_settings(cases: Sequence[Case]) -> set[int]:
-    """Indices of the cases whose output differs from their kernel's default (which comes first).
+def wrong_settings(cases: Sequence[Case]) -> dict[int, str]:
+    """Why a case is not timed, by index: its launch fails (a tile past the registers or shared memory), or its
+    output differs from its kernel's default (which comes first).
 
     Every case runs once before any is timed: a timed launch would leave correct outputs in memory that a later
     launch may get back, hiding elements that launch never writes. Here each output is overwritten with NaN once
     copied, so such elements show."""
-    expected, wrong = {}, set()
+    expected, wrong = {}, {}
     for index, case in enumerate(cases):
-        written = case.call()
+        try:
+            written = case.call()
+        except Exception as error:  # a setting this GPU cannot launch is a result, not the end of the sweep
+            wrong[index] = f"launch failed: {type(error).__name__}: {error}"
+            continue
         output = [t.clone() for t in written]
         for tensor in written:
             tensor.fill_(math.nan)
         if case.default:
             expected[case.op, case.kernel] = output
         elif not same_output(output, expected[case.op, case.kernel]):
-            wrong.add(index)
+            wrong[index] = "output differs from the default setting's"
     return wrong
 
 
@@ -271,8 +276,8 @@ def run(cases: Sequence[Case]) -> list[dict]:
         row = {"op": case.op, "kernel": case.kernel, "setting": case.setting, "config": case.config,
                "default": case.default}  # fmt: skip
         if index in wrong:
-            print(f"{case.op:<14}{case.kernel:<18}{case.setting:<34} output differs from the default: not timed")
-            rows.append({**row, "error": "output differs from the default setting's"})
+            print(f"{case.op:<14}{case.kernel:<18}{case.setting:<34} not timed: {wrong[index][:200]}", flush=True)
+            rows.append({**row, "error": wrong[index]})
             continue
         ms, timer = profiling.gpu_time_ms(case.call)
         gbs = profiling.achieved_gbs(case.min_bytes, ms)
