@@ -14,7 +14,7 @@ Ops and shapes (bf16, forward+backward; tokens 2048, 8192, 32768 and 65536):
 - cross_entropy: tokens x vocabulary, vocabularies 32000 (Llama 2), 151936 (Qwen) and 262144 (Gemma 3);
 - fused_linear_cross_entropy: 8192 tokens, hidden 2048 and 4096, the same vocabularies.
 
-A shape whose inputs and their gradients would not fit in ``--memory-gib`` (100) is skipped. Each implementation is
+A shape whose inputs would not fit in ``--memory-gib`` (100) while they are made is skipped. Each implementation is
 measured by :mod:`liger_lab.bench`, on the clock of DESIGN.md (CUDA-graph replay where capture works, else the
 kernel sum under ``torch.profiler``; wall time of a call beside it), and printed as it finishes; a peer's line
 gives liger_lab's time over its own. ``--json`` is rewritten after every shape (rows with the GPU, versions and
@@ -43,7 +43,9 @@ from liger_lab import bench, profiling, runtime  # noqa: E402
 
 OPS = ("rms_norm", "add_rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy",
        "fused_linear_cross_entropy")  # fmt: skip
-BYTES_PER_ELEMENT = 2  # bf16
+# The table draws inputs in fp32 and scales them (two fp32 tensors) before rounding them to bf16; bf16 inputs and
+# their gradients take 4 bytes an element after that.
+BYTES_PER_INPUT_ELEMENT = 8
 # What one measurement costs, to plan a run against its time limit: graph capture and replays, profiler traces and
 # the wall clock take a few seconds whatever the op, plus about this many calls of an op that runs long. The op's
 # time is guessed from its fewest bytes or FLOPs at a little under an H200's measured ceilings.
@@ -106,7 +108,7 @@ class Point:
 
 
 def points(ops: Sequence[str], ladder: Ladder, memory_gib: float) -> tuple[list[Point], list[Point]]:
-    """(the shapes to measure, those skipped because their inputs and gradients would not fit)."""
+    """(the shapes to measure, those skipped because their inputs would not fit in memory while they are made)."""
     made = []
     for op in ops:
         if op == "fused_linear_cross_entropy":
@@ -118,7 +120,7 @@ def points(ops: Sequence[str], ladder: Ladder, memory_gib: float) -> tuple[list[
         else:
             pairs = [(hidden, tokens) for hidden in ladder.hiddens for tokens in ladder.tokens]
             made += [Point(op, _shape(op, tokens, hidden, ladder), f"hidden {hidden}") for hidden, tokens in pairs]
-    fits = [p for p in made if 2 * p.input_elements() * BYTES_PER_ELEMENT <= memory_gib * 2**30]
+    fits = [p for p in made if p.input_elements() * BYTES_PER_INPUT_ELEMENT <= memory_gib * 2**30]
     return fits, [p for p in made if p not in fits]
 
 
@@ -198,9 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--impl", action="append", choices=impl_names, help="repeatable; default liger_lab, liger")
     parser.add_argument("--compile", action="store_true", help="also torch.compile of the reference")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (the interpreter runs them in seconds)")
-    parser.add_argument(
-        "--memory-gib", type=float, default=100.0, help="skip shapes whose inputs and gradients need more"
-    )
+    parser.add_argument("--memory-gib", type=float, default=100.0, help="skip shapes whose inputs need more to be made")
     parser.add_argument(
         "--budget-s", type=float, default=540.0,
         help="start no shape whose estimated end is past this many seconds from the start (one command: 10 minutes)",
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for impl in unavailable:
         print(f"{impl}: not available here, no rows")
     for point in skipped:
-        print(f"skipped {point.op} {point.shape}: inputs and gradients over {args.memory_gib:g} GiB")
+        print(f"skipped {point.op} {point.shape}: its inputs need over {args.memory_gib:g} GiB to be made")
     measurements = sum(len(missing) for _, missing in jobs)
     print(f"{len(jobs)} shapes, {measurements} measurements to go ({len(done)} rows already in {args.json}): about "
           f"{sum(map(job_s, jobs)):.0f} s on an H200, budget {args.budget_s:.0f} s", flush=True)  # fmt: skip

@@ -115,7 +115,8 @@ def test_the_shape_ladder_matches_the_models_it_stands_for(benchmarks):
     shapes = {(p.op, p.shape) for p in todo}
     assert ("rope", (1, 32, 8, 2048, 128)) in shapes and ("rope", (16, 64, 16, 4096, 128)) in shapes
     assert ("swiglu", (8192, 14336)) in shapes and ("fused_linear_cross_entropy", (8192, 4096, 262144)) in shapes
-    assert ("cross_entropy", (65536, 262144)) in shapes and not skipped  # 32 GiB of logits, 64 with the gradient
     assert {p.op for p in todo} == set(sweep.OPS)
+    # 17.2e9 logits, drawn in fp32 and scaled: 128 GiB while they are made.
+    assert [(p.op, p.shape) for p in skipped] == [("cross_entropy", (65536, 262144))]
     _, skipped = sweep.points(["cross_entropy"], sweep.GPU_LADDER, 60)
-    assert [p.shape for p in skipped] == [(65536, 262144)]
+    assert [p.shape for p in skipped] == [(65536, 151936), (32768, 262144), (65536, 262144)]
