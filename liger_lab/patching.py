@@ -297,11 +297,15 @@ def _fused_rotary_pos_emb(
     ``partial_rotary_factor < 1``: only the first ``cos.shape[-1]`` features of each head rotate)."""
     rotary_dim = cos.shape[-1]
     if rotary_dim == q.shape[-1]:
-        return rope_ops.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    q_rot, k_rot = rope_ops.apply_rotary_pos_emb(
-        q[..., :rotary_dim], k[..., :rotary_dim], cos, sin, unsqueeze_dim=unsqueeze_dim
-    )
-    return torch.cat([q_rot, q[..., rotary_dim:]], dim=-1), torch.cat([k_rot, k[..., rotary_dim:]], dim=-1)
+        q_rot, k_rot = rope_ops.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    else:
+        q_rot, k_rot = rope_ops.apply_rotary_pos_emb(
+            q[..., :rotary_dim], k[..., :rotary_dim], cos, sin, unsqueeze_dim=unsqueeze_dim
+        )
+        q_rot, k_rot = torch.cat([q_rot, q[..., rotary_dim:]], dim=-1), torch.cat([k_rot, k[..., rotary_dim:]], dim=-1)
+    # OLMo 2 keeps cos and sin in fp32 and rounds the rotated q and k back to their dtype (the kernel returns the
+    # promoted dtype, fp32): without this a bf16 model's attention would get fp32 queries and bf16 values.
+    return q_rot.to(q.dtype), k_rot.to(k.dtype)
 
 
 class _FusedRopeDepth:

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from test_patching import LOSS_TOL, batch, fused_class_names, tiny_model
+from test_patching import LOSS_TOL, batch, fused_class_names, loss_and_grads, tiny_model
 
 import liger_lab
 from liger_lab import patching
@@ -241,3 +241,17 @@ def test_fused_norms_round_where_transformers_does(model_type):
             theirs.weight.copy_(weight)
             differ = (ours(x) != theirs(x)).float().mean().item()
         assert differ < 0.01, f"{type(theirs).__name__}: {differ:.1%} of the outputs differ"
+
+
+@pytest.mark.parametrize("model_type", sorted(patching.FAMILIES))
+def test_half_precision_step_matches_transformers(model_type):
+    """A whole training step in half precision: every fused piece returns the dtype transformers' does (OLMo 2's
+    RoPE takes fp32 cos and sin and rounds q and k back to their dtype) and rounds close to it."""
+    reference = tiny_model(model_type).half()
+    model = liger_lab.patch(copy.deepcopy(reference))
+    input_ids, labels = batch()
+    ours, our_grads = loss_and_grads(model, input_ids, labels)
+    theirs, their_grads = loss_and_grads(reference, input_ids, labels)
+    assert relative_l2_error(ours.loss, theirs.loss) < 5e-3, (ours.loss.item(), theirs.loss.item())
+    for name, grad in our_grads.items():
+        assert relative_l2_error(grad, their_grads[name]) < 3e-2, name
