@@ -292,6 +292,49 @@ def _run_case(case: str, device: torch.device, rows: slice, reference: dict[str,
     }
 
 
+def _small_llama(device: torch.device) -> nn.Module:
+    """A patched Llama large enough to learn for a few steps (hidden 256, 4 layers, vocabulary 4096), seeded."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=256,
+    )  # fmt: skip
+    return liger_lab.patch(transformers.LlamaForCausalLM(config).to(device).train())
+
+
+def _curve(device: torch.device, rank: int, world: int, steps: int) -> dict[str, list[float]]:
+    """The losses of ``steps`` AdamW steps of :func:`_small_llama`, bf16 compute and fp32 master weights: on one
+    process under autocast, and sharded by FSDP2 (bf16 parameters in the step, fp32 gradient reduction, lm_head
+    a unit of its own) with each process stepping on its rows of the same batches."""
+    import torch.distributed as dist
+
+    pool = torch.randint(0, 4096, (8, 128), generator=torch.Generator().manual_seed(2)).to(device)
+    batches = [pool[4 * (step % 2) : 4 * (step % 2) + 4] for step in range(steps)]  # two batches, cycled
+    reference, sharded = _small_llama(device), wrap(_small_llama(device), "fsdp2_mixed_precision")
+    curves: dict[str, list[float]] = {"one process": [], f"FSDP2, {world} processes": []}
+    per_rank = batches[0].shape[0] // world
+    for model, label in ((reference, "one process"), (sharded, f"FSDP2, {world} processes")):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for input_ids in batches:
+            if model is reference:
+                with torch.autocast(device.type, torch.bfloat16):
+                    loss = model(input_ids=input_ids, labels=input_ids).loss
+            else:
+                rows = input_ids[rank * per_rank : (rank + 1) * per_rank]
+                loss = model(input_ids=rows, labels=rows).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if model is sharded:
+                loss = loss.detach().clone()
+                dist.all_reduce(loss)
+                loss /= world
+            curves[label].append(loss.item())
+    return curves
+
+
 def _llama_reference(rank_device: torch.device) -> dict[str, Any]:
     model = tiny_llama().to(rank_device)
     input_ids, labels = (t.to(rank_device) for t in llama_batch())
@@ -362,6 +405,8 @@ def worker(plan: dict[str, Any], out_path: str) -> None:
         for label, function in plan["head_losses"].items():
             fn = _load_function(function["name"], function["source"])
             report["head_losses"][label] = _run_head_loss(fn, device, rows)
+    if plan.get("curve_steps"):
+        report["curves"] = _curve(device, rank, world, plan["curve_steps"])
     if rank == 0:
         torch.save(report, out_path)
     dist.destroy_process_group()
@@ -382,13 +427,15 @@ def launch(
     cases: Sequence[str] = (),
     head_losses: dict[str, Callable] | None = None,
     *,
+    curve_steps: int = 0,
     nproc: int = WORLD,
     timeout_s: float = 600,
 ) -> dict[str, Any]:
     """Run ``cases`` (names of :data:`CASES`) and ``head_losses`` in ``nproc`` processes; return process 0's
     report: ``launch`` (backend and devices), then per case or head loss the loss, the gradients and the
     one-process reference (``cases``: also the worst gradient, the fused loss's calls, any fallback, and what
-    ``lm_head.weight`` was along the step; a head loss that raised has ``error`` instead)."""
+    ``lm_head.weight`` was along the step; a head loss that raised has ``error`` instead). ``curve_steps``: also
+    ``curves``, the losses of that many training steps of a small Llama in one process and under FSDP2."""
     unknown = [case for case in cases if case not in CASES]
     if unknown:
         raise ValueError(f"unknown case(s) {unknown}: expected names from {list(CASES)}")
@@ -405,7 +452,7 @@ def launch(
         env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     with tempfile.TemporaryDirectory() as folder:
         plan_path, out_path = Path(folder) / "plan.json", Path(folder) / "report.pt"
-        plan_path.write_text(json.dumps({"cases": list(cases), "head_losses": sources}))
+        plan_path.write_text(json.dumps({"cases": list(cases), "head_losses": sources, "curve_steps": curve_steps}))
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "liger_lab.distributed", str(plan_path), str(out_path),
