@@ -94,7 +94,10 @@ def launch(args: argparse.Namespace, mode: str) -> list[dict]:
         child.wait(timeout=60)
         stderr = child.stderr.read()
     if child.returncode != 0 and not any(row.get("oom") for row in rows):
-        rows.append({"impl": mode, "gpus": args.nproc, "error": stderr.strip()[-2000:] or f"exit {child.returncode}"})
+        # torchrun's own summary ends stderr; the ranks' exceptions come before it.
+        causes = list(dict.fromkeys(line for line in stderr.splitlines() if "Error" in line and "torch/" not in line))
+        error = "\n".join(causes[:10]) or stderr.strip()[-2000:] or f"exit {child.returncode}"
+        rows.append({"impl": mode, "gpus": args.nproc, "error": error})
         print(f"{mode}: the launch failed: {rows[-1]['error'][-300:]}", flush=True)
     return rows
 

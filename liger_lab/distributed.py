@@ -305,25 +305,23 @@ def _small_llama(device: torch.device) -> nn.Module:
 
 
 def _curve(device: torch.device, rank: int, world: int, steps: int) -> dict[str, list[float]]:
-    """The losses of ``steps`` AdamW steps of :func:`_small_llama`, bf16 compute and fp32 master weights: on one
-    process under autocast, and sharded by FSDP2 (bf16 parameters in the step, fp32 gradient reduction, lm_head
-    a unit of its own) with each process stepping on its rows of the same batches."""
+    """The losses of ``steps`` AdamW steps of :func:`_small_llama` with bf16 parameters: on one process, and sharded
+    by FSDP2 (lm_head a unit of its own) with each process stepping on its rows of the same batches. The same
+    recipe on both sides, so the curves differ only by where the sums round (the gradients are averaged over the
+    processes); a one-GPU run under autocast would keep an fp32 residual stream and drift further."""
     import torch.distributed as dist
 
     pool = torch.randint(0, 4096, (8, 128), generator=torch.Generator().manual_seed(2)).to(device)
     batches = [pool[4 * (step % 2) : 4 * (step % 2) + 4] for step in range(steps)]  # two batches, cycled
-    reference, sharded = _small_llama(device), wrap(_small_llama(device), "fsdp2_mixed_precision")
+    reference = _small_llama(device).to(torch.bfloat16)
+    sharded = wrap(_small_llama(device).to(torch.bfloat16), "fsdp2_head_unit")
     curves: dict[str, list[float]] = {"one process": [], f"FSDP2, {world} processes": []}
     per_rank = batches[0].shape[0] // world
     for model, label in ((reference, "one process"), (sharded, f"FSDP2, {world} processes")):
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for input_ids in batches:
-            if model is reference:
-                with torch.autocast(device.type, torch.bfloat16):
-                    loss = model(input_ids=input_ids, labels=input_ids).loss
-            else:
-                rows = input_ids[rank * per_rank : (rank + 1) * per_rank]
-                loss = model(input_ids=rows, labels=rows).loss
+            rows = input_ids if model is reference else input_ids[rank * per_rank : (rank + 1) * per_rank]
+            loss = model(input_ids=rows, labels=rows).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

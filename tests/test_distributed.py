@@ -6,7 +6,7 @@ full) must equal those of the same patched model stepping on the whole batch in 
 must run in every case, the ``lm_head`` being a unit of its own included (FSDP2 then swaps its class and
 shards its weight), and under ``torch.compile``; no fallback to materialised logits may happen. The processes
 are those of ``liger_lab.distributed.launch``, which chapter 12 runs too. On two GPUs the same cases run on NCCL,
-and a small model trains 20 steps under FSDP2 with bf16 compute: its loss curve must follow one GPU's.
+and a small model trains 20 steps under FSDP2 with bf16 parameters: its loss curve must follow one GPU's.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def test_patched_model_trains_like_one_gpu_on_two_gpus(gpu_report, case):
 @pytest.mark.cuda
 @on_two_gpus
 def test_fsdp2_loss_curve_follows_one_gpu(gpu_report):
-    """20 steps: FSDP2 on two GPUs (bf16 parameters in the step, fp32 reduction) against one GPU under autocast, both
-    patched: equal within bf16 noise at every step, and the loss falls (a flat curve would prove nothing)."""
+    """20 steps of a patched model with bf16 parameters: FSDP2 on two GPUs against one GPU, equal within bf16 noise
+    at every step, and the loss falls (a flat curve would prove nothing)."""
     one, sharded = gpu_report["curves"].values()
     assert len(one) == len(sharded) == CURVE_STEPS
     for step, (ours, theirs) in enumerate(zip(sharded, one, strict=True)):
