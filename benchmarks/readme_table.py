@@ -1,10 +1,11 @@
 """Regenerate the benchmark table in README.md from committed result JSON.
 
-``python benchmarks/readme_table.py OPS_JSON [OPS_JSON ...] [--e2e FILE] [--section NAME]`` rewrites the part
-of README.md between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` (NAME: ``bench`` by default, ``losses``
-for the distillation and preference losses). A row of a later ops file replaces the row of the same op and
-implementation in an earlier one. The ``liger_lab`` column is the public call with no
-options; an opt-in variant (``liger_lab:in_place_backward``) is a row of its own under its op.
+``python benchmarks/readme_table.py OPS_JSON [OPS_JSON ...] [--e2e FILE] [--section NAME] [--op OP ...]``
+rewrites the part of README.md between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` (NAME: ``bench`` by
+default, ``losses`` for the distillation and preference losses), listing every op of the files or those named by
+``--op``. A row of a later ops file replaces the row of the same op and implementation in an earlier one. The
+``liger_lab`` column is the public call with no options; an opt-in variant (``liger_lab:in_place_backward``) is a
+row of its own under its op.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ IMPLS = ["liger_lab", "liger", "liger:chunked", "torch_compile", "eager", "cce"]
 HEADERS = {"liger_lab": "liger_lab", "liger": "Liger-Kernel", "liger:chunked": "Liger-Kernel (chunked loss)",
            "torch_compile": "torch.compile", "eager": "eager", "cce": "cut-cross-entropy"}  # fmt: skip
 CLOCKS = {
-    "cuda_graph": "CUDA-graph replay",
+    "cuda_graph": "CUDA-graph replay, the wall time of a call in brackets",
     "do_bench": "`do_bench` (CUDA events around each call)",
     "profiler": "the kernel sum under `torch.profiler`, the wall time of a call in brackets",
 }
@@ -95,10 +96,13 @@ def main() -> None:
     parser.add_argument("ops_json", type=Path, nargs="+")
     parser.add_argument("--e2e", type=Path, default=None)
     parser.add_argument("--section", default="bench", help="the README's marked section to rewrite")
+    parser.add_argument("--op", action="append", default=None, help="an op to list (repeatable; default: all)")
     args = parser.parse_args()
     rows: dict[tuple, dict] = {}
     for path in args.ops_json:
         for row in json.loads(path.read_text()):
+            if args.op and row["op"] not in args.op and not row["op"].startswith("ceiling"):
+                continue
             key = (row["op"], row.get("impl"), row.get("sweep"), row.get("tokens"), row.get("hidden"), row.get("run"))
             rows[key] = row
     text = ops_table(list(rows.values()))
