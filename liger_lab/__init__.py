@@ -5,6 +5,7 @@ available, Triton's interpreter on CPU tensors otherwise.
 """
 
 from liger_lab import exercises, runtime
+from liger_lab.ops import sharding  # noqa: F401  (tells DTensor how to run the ops shard by shard)
 from liger_lab.ops.cross_entropy import cross_entropy
 from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_lab.ops.fused_linear_jsd import fused_linear_jsd

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -51,12 +53,20 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
 
 
-def in_place_requested(in_place_backward: bool) -> bool:
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor``. Never imports that module: no DTensor exists
+    before it is imported, and a torch built without distributed support has none."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
+
+
+def in_place_requested(in_place_backward: bool, *tensors: torch.Tensor) -> bool:
     """Whether an op's opt-in ``in_place_backward`` takes effect: eagerly, yes; under ``torch.compile``, no.
     The compiler plans buffers itself, and its functionalization would turn writes over a caller's tensor
     back into copies (or, for a tensor the traced code still reads, refuse the graph), so every op takes
-    its default path there."""
-    return bool(in_place_backward) and not torch.compiler.is_compiling()
+    its default path there. Nor when any of ``tensors`` is a DTensor: DTensor runs a mutating operator as an
+    in-place op of its first argument and returns that argument, not what the operator returned."""
+    return bool(in_place_backward) and not torch.compiler.is_compiling() and not any(map(is_dtensor, tensors))
 
 
 def rows_to_overwrite(x: torch.Tensor) -> torch.Tensor | None:

@@ -140,6 +140,8 @@ def layer_norm_backward(
     :func:`liger_lab.runtime.persistent_row_launch`'s by default."""
     n_rows, n_cols = x.shape
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    # The kernel reads row i's statistics at offset i, whatever shape the op gave them.
+    mean, rstd = mean.contiguous().view(-1), rstd.contiguous().view(-1)
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight), torch.zeros_like(weight)
@@ -160,15 +162,15 @@ def layer_norm_backward(
 def layer_norm_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, mean, rstd): y of x's shape, two fp32 statistics per row."""
+    """(y, mean, rstd): y of x's shape, two fp32 statistics per row, each shaped x.shape[:-1] (so a DTensor shards
+    them as it shards x)."""
     y, mean, rstd = layer_norm_forward(as_rows(x), weight.contiguous(), bias.contiguous(), eps)
-    return y.view(x.shape), mean, rstd
+    return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
 
 
 @layer_norm_op.register_fake
 def _(x, weight, bias, eps):
-    n_rows = x.shape[:-1].numel()
-    stats = x.new_empty(n_rows, dtype=torch.float32)
+    stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
     return x.new_empty(x.shape), stats, torch.empty_like(stats)
 
 

@@ -208,6 +208,7 @@ def rms_norm_backward(
     ``launch``: the persistent grid, :func:`liger_lab.runtime.persistent_row_launch`'s by default."""
     n_rows, n_cols = x.shape
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    rstd = rstd.contiguous().view(-1)  # the kernel reads row i's statistic at offset i, whatever rstd's shape
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if dx is None else dx
     if n_rows == 0:  # no rows: no launch (a persistent grid of 0 programs), and dw sums nothing
         return dx, torch.zeros_like(weight)
@@ -233,15 +234,16 @@ def rms_norm_backward(
 def rms_norm_op(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str, in_place_backward: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): y of x's shape, one fp32 rstd per row. ``in_place_backward`` only steers the backward."""
+    """(y, rstd): y of x's shape, one fp32 rstd per row, shaped x.shape[:-1] (so a DTensor shards it as it shards
+    x). ``in_place_backward`` only steers the backward."""
     y, rstd = rms_norm_forward(as_rows(x), weight.contiguous(), eps, offset, casting_mode)
-    return y.view(x.shape), rstd
+    return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
 @rms_norm_op.register_fake
 def _(x, weight, eps, offset, casting_mode, in_place_backward):
     out_dtype = x.dtype if casting_mode == "gemma" else torch.promote_types(x.dtype, weight.dtype)
-    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("liger_lab::rms_norm_backward", mutates_args=())
@@ -320,7 +322,7 @@ def rms_norm(
     check_float("x", x)
     _check_arguments(x, weight, eps, casting_mode)
     y, _ = torch.ops.liger_lab.rms_norm(
-        x, weight, float(eps), float(offset), casting_mode, in_place_requested(in_place_backward)
+        x, weight, float(eps), float(offset), casting_mode, in_place_requested(in_place_backward, x)
     )
     return y
 
@@ -334,15 +336,15 @@ def rms_norm(
 def add_rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, s, rstd): y and s = x + residual of x's shape, one fp32 rstd per row."""
+    """(y, s, rstd): y and s = x + residual of x's shape, one fp32 rstd per row (shaped x.shape[:-1])."""
     y, s, rstd = add_rms_norm_forward(as_rows(x), as_rows(residual), weight.contiguous(), eps, offset, casting_mode)
-    return y.view(x.shape), s.view(x.shape), rstd
+    return y.view(x.shape), s.view(x.shape), rstd.view(x.shape[:-1])
 
 
 @add_rms_norm_op.register_fake
 def _(x, residual, weight, eps, offset, casting_mode):
     y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, casting_mode))
-    return y, x.new_empty(x.shape), x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)
+    return y, x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("liger_lab::add_rms_norm_backward", mutates_args=())

@@ -197,7 +197,8 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, in_place_backwar
     check_same_shape(gate=gate, up=up)
     check_same_dtype(gate=gate, up=up)
     # gate and up as one tensor: the in-place backward's two stores would race over the same memory.
-    return torch.ops.liger_lab.glu(gate, up, activation, in_place_requested(in_place_backward) and gate is not up)
+    in_place = in_place_requested(in_place_backward, gate, up) and gate is not up
+    return torch.ops.liger_lab.glu(gate, up, activation, in_place)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = False) -> torch.Tensor:
