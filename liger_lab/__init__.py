@@ -4,8 +4,14 @@
 available, Triton's interpreter on CPU tensors otherwise.
 """
 
+import warnings
+
 from liger_lab import exercises, runtime
-from liger_lab.ops import sharding  # noqa: F401  (tells DTensor how to run the ops shard by shard)
+
+try:  # tells DTensor how to run the ops shard by shard (tensor and sequence parallelism)
+    from liger_lab.ops import sharding  # noqa: F401
+except (ImportError, AttributeError) as _error:  # DTensor internals this torch lacks: plain tensors still work
+    warnings.warn(f"liger_lab: the ops will not take DTensor arguments with this torch: {_error}", stacklevel=2)
 from liger_lab.ops.cross_entropy import cross_entropy
 from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
