@@ -13,6 +13,11 @@ versions of those pieces, in one of two ways:
   modules gets the fused subclass as its ``__class__`` and the model gets its own ``forward``. Its
   parameters, buffers and state dict stay exactly as they were, and other models are not affected.
 
+A mixture of experts (Qwen3-MoE, Mixtral) keeps every expert's weights in one ``...Experts`` module of two 3-D
+tensors, run by transformers' Python loop over the experts or by one of its kernels (``experts_implementation``,
+``"grouped_mm"`` by default where it runs): the loop gets the fused SwiGLU, the kernels and the router stay
+transformers', and :func:`report` says which runs.
+
 The fused subclasses override ``forward`` only, so ``isinstance`` checks, weight initialisation, state
 dicts and ``save_pretrained`` see the transformers classes they derive from. RoPE is the one piece that
 is not a module: the modeling module's ``apply_rotary_pos_emb`` is replaced (while any patched model or
@@ -84,6 +89,9 @@ class _Family:
     # residual branch reads that same gradient tensor.
     in_place_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     mlp: bool = True  # a dense gated MLP class (a mixture of experts alone has none: Mixtral)
+    # An experts class holding every expert's weights as 3-D tensors (transformers 5's ...Experts: gate_up_proj
+    # (E, 2I, H), down_proj (E, H, I)), whose loop over the experts gets the fused SwiGLU; the router stays as it is.
+    experts: bool = False
     rope: bool = True  # rotate_half RoPE, the fused kernel's (GLM-4 rotates interleaved pairs instead)
     module: str | None = None  # the modeling module, when its name is not the model type (gemma3_text)
     # A decoder layer written exactly as Llama's (norm, attention, add, norm, MLP, add): the add before the MLP's
@@ -93,7 +101,8 @@ class _Family:
     @property
     def pieces(self) -> tuple[str, ...]:
         """Class-name suffixes of the pieces this family has fused versions of."""
-        has = {"RMSNorm": True, "MLP": self.mlp, "Attention": self.rope, "DecoderLayer": self.add_norm}
+        has = {"RMSNorm": True, "MLP": self.mlp, "Attention": self.rope, "DecoderLayer": self.add_norm,
+               "Experts": self.experts}  # fmt: skip
         return tuple(suffix for suffix, present in has.items() if present)
 
 
@@ -112,8 +121,8 @@ FAMILIES: dict[str, _Family] = {
         "Gemma3", norm="gemma", act_attr="hidden_activation", module="gemma3",
         in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
     ),
-    "qwen3_moe": _Family("Qwen3Moe"),  # experts (fused 3-D weights) and router left as they are
-    "mixtral": _Family("Mixtral", mlp=False),
+    "qwen3_moe": _Family("Qwen3Moe", experts=True),  # dense layers (mlp_only_layers) have a Qwen3MoeMLP
+    "mixtral": _Family("Mixtral", mlp=False, experts=True),
     # Norms after attention and after the MLP, each output added to the residual: none may reuse its gradient.
     "olmo2": _Family("Olmo2", norm="fp32_weight", in_place_norms=()),
     "granite": _Family("Granite"),  # its logits are divided by config.logits_scaling, in the loss too
@@ -263,6 +272,64 @@ def _mlp_class(family: _Family, original: type) -> type:
             gate, up = self.gate_proj(x), self.up_proj(x)
         # gate and up are fresh projection outputs read by nothing else: the backward may overwrite them.
         return self.down_proj(kernel(gate, up, in_place_backward=True))
+
+    return _fused_subclass(original, forward)
+
+
+def _experts_fallback(family: _Family, experts: nn.Module) -> str | None:
+    """Why an experts module runs transformers' forward rather than the fused loop, or None when it runs the loop.
+
+    transformers 5 dispatches an experts module's forward on ``config._experts_implementation``: ``"eager"`` (or
+    None, a module built outside a model) is its Python loop over the experts, the one fused here; any other name
+    (``"grouped_mm"``, the default wherever it can run, ``"batched_mm"``, ...) is an integration's kernel, which
+    is left as it is."""
+    config = getattr(experts, "config", None)
+    activation = getattr(config, family.act_attr, None)
+    if activation not in SwiGLUMLP.hf_activations:
+        return f"activation {activation!r} is not SiLU, the one fused for experts"
+    implementation = getattr(config, "_experts_implementation", None)
+    if implementation not in (None, "eager"):
+        return f"experts_implementation={implementation!r}: transformers' kernel runs (the fused loop is 'eager')"
+    return None
+
+
+def _swiglu_experts(
+    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' eager loop over the experts that got tokens (each computes ``down(silu(gate) * up)`` for its
+    tokens, scales it by their routing weights and adds it into their rows), with ``silu(gate) * up`` fused.
+
+    Each expert's gate-and-up product is computed transposed, ``W @ x.T`` (2I x tokens), so that gate and up are
+    its two contiguous halves: the kernel reads them without a copy, and its backward writes d_gate and d_up over
+    them (``in_place_backward``). Nothing else reads that buffer: the matmul saves its inputs, not its output, and
+    chunk saves no data. transformers' ``(x @ W.T).chunk(2, dim=-1)`` gives strided halves, which the kernel
+    would copy, and whose gradients it would allocate afresh.
+    """
+    final = torch.zeros_like(hidden_states)
+    num_experts = experts.num_experts
+    with torch.no_grad():
+        # One class more than experts: under expert parallelism a slot routed to another rank holds num_experts.
+        mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)[:num_experts]
+        hit = mask.sum(dim=(-1, -2)).nonzero().flatten().tolist()
+    for expert in hit:
+        top_k_pos, token_idx = torch.where(mask[expert])
+        gate, up = (experts.gate_up_proj[expert] @ hidden_states[token_idx].T).chunk(2)
+        gated = glu_ops.swiglu(gate, up, in_place_backward=True)
+        # gated.T is column-major, and mm's backward returns its gradient in the same layout: the kernel's
+        # backward then reads a contiguous d_out, not a copy.
+        out = F.linear(gated.T, experts.down_proj[expert]) * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, out.to(final.dtype))
+    return final
+
+
+def _experts_class(family: _Family, original: type) -> type:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        # Decided per call: set_experts_implementation can switch a built model between the loop and a kernel.
+        if _experts_fallback(family, self) is not None:
+            return original.forward(self, hidden_states, top_k_index, top_k_weights)
+        return _swiglu_experts(self, hidden_states, top_k_index, top_k_weights)
 
     return _fused_subclass(original, forward)
 
@@ -714,7 +781,8 @@ def patch(
     ``model_or_model_type`` is a model type string (``"llama"``, one of :data:`FAMILIES`), which patches
     the family's classes, or a model instance (a PEFT wrapper is looked through), patched in place with
     its parameters and state dict unchanged. ``swiglu`` covers the gated MLP of every family (GeGLU for
-    Gemma). ``fused_linear_cross_entropy`` computes the training loss without logits;
+    Gemma) and the SiLU experts of a mixture of experts run by transformers' eager loop.
+    ``fused_linear_cross_entropy`` computes the training loss without logits;
     ``cross_entropy`` computes the loss from logits with the fused cross-entropy kernel whenever logits
     are returned with labels. Patching again replaces the previous patch. Returns its argument.
     """
@@ -761,17 +829,27 @@ def report(model: nn.Module) -> PatchReport:
     model_type = getattr(model.config, "model_type", None)
     family = _family(model_type)
     replaced: dict[str, int] = {}
+    experts: list[nn.Module] = []
     for module in model.modules():
         name = type(module).__name__
-        if name.startswith(f"Fused{family.prefix}"):
+        if name.removeprefix("Fused") == f"{family.prefix}Experts":
+            experts.append(module)  # counted below, where the fused loop is what its forward runs
+        elif name.startswith(f"Fused{family.prefix}"):
             kind = name.removeprefix(f"Fused{family.prefix}")
             kind = {"RMSNorm": "RMSNorm", "MLP": "gated MLP (SwiGLU/GeGLU)", "Attention": "attention (RoPE)",
                     "DecoderLayer": "residual add into RMSNorm"}[kind]  # fmt: skip
             replaced[kind] = replaced.get(kind, 0) + 1
     left_alone: dict[str, str] = {}
+    fused_experts = [m for m in experts if type(m) in _UNFUSED and _experts_fallback(family, m) is None]
+    if fused_experts:
+        replaced["MoE experts (SwiGLU)"] = len(fused_experts)
+    elif experts:
+        left_alone["experts"] = _experts_fallback(family, experts[0]) or "not patched (swiglu=False?)"
+    if experts:
+        left_alone["router"] = "transformers' own: top-k routing and its load-balancing loss are not fused"
     mlp_names = (f"{family.prefix}MLP", f"Fused{family.prefix}MLP")
     if not any(type(module).__name__ in mlp_names for module in model.modules()):
-        left_alone["MLP"] = "no dense MLP (a mixture of experts): experts and router stay transformers'"
+        left_alone["MLP"] = "no dense MLP: every layer is a mixture of experts"
     elif not replaced.get("gated MLP (SwiGLU/GeGLU)"):
         activation = getattr(model.config, family.act_attr, None)
         no_kernel = f"activation {activation!r} has no fused kernel"
@@ -816,7 +894,7 @@ def _unwrap(model: object) -> nn.Module:
 
 
 # Class-name suffix of each fused piece in a modeling module -> the option of patch() that fuses it.
-_PIECES = {"RMSNorm": "rms_norm", "MLP": "swiglu", "Attention": "rope", "DecoderLayer": "rms_norm"}
+_PIECES = {"RMSNorm": "rms_norm", "MLP": "swiglu", "Attention": "rope", "DecoderLayer": "rms_norm", "Experts": "swiglu"}
 
 
 def _fused_piece(family: _Family, modeling: types.ModuleType, suffix: str) -> tuple[type, type]:
@@ -828,6 +906,8 @@ def _fused_piece(family: _Family, modeling: types.ModuleType, suffix: str) -> tu
         return original, _mlp_class(family, original)
     if suffix == "DecoderLayer":
         return original, _decoder_layer_class(original)
+    if suffix == "Experts":
+        return original, _experts_class(family, original)
     return original, _attention_class(modeling, original)
 
 
@@ -866,9 +946,14 @@ def _patch_model(model: nn.Module, options: _Options) -> None:
     family, modeling = _family(model_type), _modeling(model_type)
     classes = _fused_classes(family, modeling, options)
     activation = getattr(model.config, family.act_attr, None)
-    if options.swiglu and family.mlp and _gated_kernel(activation) is None:
-        warnings.warn(f"no fused kernel for the MLP activation {activation!r}: the MLP stays as it is", stacklevel=3)
-        del classes[f"{family.prefix}MLP"]
+    # The dense MLP has SwiGLU and GeGLU kernels; the experts, the SwiGLU one.
+    no_kernel = {"MLP": _gated_kernel(activation) is None, "Experts": activation not in SwiGLUMLP.hf_activations}
+    for piece, missing in no_kernel.items():
+        name = f"{family.prefix}{piece}"
+        if missing and name in classes:
+            message = f"no fused kernel for the {piece} activation {activation!r}: {name} stays as it is"
+            warnings.warn(message, stacklevel=3)
+            del classes[name]
     fused_of = dict(classes.values())
     for name, module in model.named_modules():
         fused = fused_of.get(type(module))

@@ -32,10 +32,11 @@ FAMILY_CONFIG = {
     "gemma2": {"final_logit_softcapping": 2.0, "query_pre_attn_scalar": 8, "sliding_window": 4},
     "phi3": {"partial_rotary_factor": 0.5},  # fused gate_up_proj, half the head dims rotate
     "gemma3_text": {"query_pre_attn_scalar": 8, "sliding_window": 4, "final_logit_softcapping": 2.0},
-    # A mixture-of-experts layer, then a dense one (Qwen3MoeMLP): experts and router stay transformers'.
+    # A mixture-of-experts layer, then a dense one (Qwen3MoeMLP). The experts run transformers' loop, which is what
+    # gets the fused SwiGLU (its default grouped_mm kernel is left alone); the router stays transformers'.
     "qwen3_moe": {"num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
-                  "mlp_only_layers": [1]},
-    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},  # experts only: no dense MLP to fuse
+                  "mlp_only_layers": [1], "experts_implementation": "eager"},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "experts_implementation": "eager"},  # no dense MLP
     "olmo2": {},  # norms after attention and MLP; q_norm / k_norm over all heads
     "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3,
                 "logits_scaling": 4.0},
@@ -343,7 +344,8 @@ def test_patch_report_counts_what_was_fused_and_says_what_was_left_alone():
     glm = liger_lab.patch_report(liger_lab.patch(tiny_model("glm4")))
     assert "interleaved" in glm.left_alone["RoPE"] and "attention (RoPE)" not in glm.replaced
     mixtral = liger_lab.patch_report(liger_lab.patch(tiny_model("mixtral")))
-    assert "experts" in mixtral.left_alone["MLP"]
+    assert mixtral.replaced["MoE experts (SwiGLU)"] == 1 and "mixture of experts" in mixtral.left_alone["MLP"]
+    assert "routing" in mixtral.left_alone["router"]
     model.lm_head = torch.nn.Sequential(model.lm_head)  # what the fused loss cannot take is named
     assert "lm_head is a Sequential" in liger_lab.patch_report(model).left_alone["loss"]
 
