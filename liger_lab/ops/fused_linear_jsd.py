@@ -55,7 +55,7 @@ from liger_lab.ops.fused_linear_cross_entropy import (
     check_chunk_options,
     finish_grads,
 )
-from liger_lab.ops.jsd import check_jsd_options, jsd_rows
+from liger_lab.ops.jsd import check_jsd_options, check_target, jsd_rows
 
 CHUNK_BUDGET_BYTES = 832 * MIB
 """Bytes of temporaries per call: the student's and the teacher's chunk of logits, plus the student's hidden
@@ -231,19 +231,8 @@ def _check_inputs(student_hidden, student_weight, teacher_hidden, teacher_weight
                          ("teacher_weight", teacher_weight)):  # fmt: skip
         if tensor.device != student_hidden.device:
             raise ValueError(f"{name} is on {tensor.device}: expected {student_hidden.device}, student_hidden's")
-    if target is None:
-        return
-    if not isinstance(target, torch.Tensor):
-        raise ValueError(f"target must be a torch.Tensor or None, got {type(target).__name__}")
-    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-        raise ValueError(f"target has dtype {target.dtype}: expected an integer tensor (torch.int64), as labels are")
-    if target.shape != student_hidden.shape[:-1]:
-        raise ValueError(
-            f"target has shape {tuple(target.shape)}: expected {tuple(student_hidden.shape[:-1])}, one value per row "
-            f"of student_hidden {tuple(student_hidden.shape)}"
-        )
-    if target.device != student_hidden.device:
-        raise ValueError(f"target is on {target.device}: expected {student_hidden.device}, student_hidden's")
+    if target is not None:
+        check_target(target, student_hidden, "student_hidden")
 
 
 def fused_linear_jsd(

@@ -336,19 +336,20 @@ def check_jsd_options(beta: float, temperature: float, ignore_index: int) -> tup
     return float(beta), float(temperature)
 
 
-def check_target(target: torch.Tensor, student_logits: torch.Tensor) -> None:
-    """A mask of rows: integers of the student's leading shape, on its device (values are never read here)."""
+def check_target(target: object, rows: torch.Tensor, name: str) -> None:
+    """A mask of ``rows``' rows (its leading shape; ``name`` says which argument it is): integers on its device.
+    The values are never read as classes here, only compared with ``ignore_index``."""
     if not isinstance(target, torch.Tensor):
         raise ValueError(f"target must be a torch.Tensor or None, got {type(target).__name__}")
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise ValueError(f"target has dtype {target.dtype}: expected an integer tensor (torch.int64), as labels are")
-    if target.shape != student_logits.shape[:-1]:
+    if target.shape != rows.shape[:-1]:
         raise ValueError(
-            f"target has shape {tuple(target.shape)}: expected {tuple(student_logits.shape[:-1])}, one value per row "
-            f"of the logits {tuple(student_logits.shape)}"
+            f"target has shape {tuple(target.shape)}: expected {tuple(rows.shape[:-1])}, one value per row "
+            f"of {name} {tuple(rows.shape)}"
         )
-    if target.device != student_logits.device:
-        raise ValueError(f"target is on {target.device}: expected {student_logits.device}, the student's device")
+    if target.device != rows.device:
+        raise ValueError(f"target is on {target.device}: expected {rows.device}, {name}'s")
 
 
 def jsd(
@@ -393,7 +394,7 @@ def jsd(
             f"teacher_logits is on {teacher_logits.device}: expected {student_logits.device}, the student's"
         )
     if target is not None:
-        check_target(target, student_logits)
+        check_target(target, student_logits, "student_logits")
     teacher = teacher_logits.detach()
     if student_logits.requires_grad and torch.is_grad_enabled():
         return JSDFunction.apply(student_logits, teacher, target, beta, temperature, ignore_index)
