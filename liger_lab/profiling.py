@@ -203,7 +203,10 @@ def plot_results(results: Sequence[Result], title: str = "", floor_ms: float | N
     ax_time.bar([x - width / 2 for x in xs], [r.fwd_ms for r in results], width, label="forward")
     ax_time.bar([x + width / 2 for x in xs], [r.full_ms for r in results], width, label="forward+backward")
     if floor_ms is not None:
-        ax_time.axhline(floor_ms, color="k", ls="--", lw=1, label="bytes / copy bandwidth")
+        # A matmul-bound op's results carry TFLOP/s, and its floor is its FLOPs at the measured matmul rate.
+        flops = any(r.full_tflops is not None for r in results)
+        label = "FLOPs / matmul rate" if flops else "bytes / copy bandwidth"
+        ax_time.axhline(floor_ms, color="k", ls="--", lw=1, label=label)
     ax_time.set_xticks(list(xs), impls, rotation=15)
     ax_time.set_ylabel("ms" if not runtime.INTERPRET else "ms (CPU interpreter wall clock)")
     ax_time.legend(fontsize=8)
