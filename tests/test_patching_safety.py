@@ -15,9 +15,10 @@ import textwrap
 import pytest
 import torch
 from test_patching import LOSS_TOL, batch, fused_class_names, loss_and_grads, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import liger_lab
-from liger_lab import patching
+from liger_lab import patching, runtime
 from liger_lab.checks import relative_l2_error
 
 transformers = pytest.importorskip("transformers")
@@ -255,3 +256,35 @@ def test_half_precision_step_matches_transformers(model_type):
     assert relative_l2_error(ours.loss, theirs.loss) < 5e-3, (ours.loss.item(), theirs.loss.item())
     for name, grad in our_grads.items():
         assert relative_l2_error(grad, their_grads[name]) < 3e-2, name
+
+
+class _LigerLabOps(TorchDispatchMode):
+    """Records the liger_lab operators that run (custom operators pass through dispatch modes like aten's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, name = str(func).split(".")[:2]
+        if namespace == "liger_lab":
+            self.names.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model_type", sorted(patching.FAMILIES))
+def test_every_fused_piece_runs_its_kernel(model_type):
+    """A patched model's step runs the kernel of every piece its family fuses, here and on the GPU (in bf16
+    there): a swap that matched no module, or a transformers path that goes around it, would otherwise only
+    show as a model that trains like the unpatched one."""
+    family = patching.FAMILIES[model_type]
+    model = liger_lab.patch(tiny_model(model_type).to(runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)))
+    input_ids, labels = batch()
+    with _LigerLabOps() as ran:
+        model(input_ids=input_ids, labels=labels).loss.backward()
+    expected = {"rms_norm", "rms_norm_backward", "fused_linear_cross_entropy"}
+    expected |= {"rope", "rope_backward"} if family.rope else set()
+    expected |= {"glu"} if family.mlp or family.experts else set()
+    expected |= {"add_rms_norm", "add_rms_norm_backward"} if family.add_norm else set()
+    ran_names = {name.rstrip("_") for name in ran.names}  # in-place variants end in _
+    assert expected <= ran_names, f"{model_type}: not run: {sorted(expected - ran_names)}; ran {sorted(ran.names)}"
