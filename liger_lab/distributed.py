@@ -309,8 +309,6 @@ def _curve(device: torch.device, rank: int, world: int, steps: int) -> dict[str,
     by FSDP2 (lm_head a unit of its own) with each process stepping on its rows of the same batches. The same
     recipe on both sides, so the curves differ only by where the sums round (the gradients are averaged over the
     processes); a one-GPU run under autocast would keep an fp32 residual stream and drift further."""
-    import torch.distributed as dist
-
     pool = torch.randint(0, 4096, (8, 128), generator=torch.Generator().manual_seed(2)).to(device)
     batches = [pool[4 * (step % 2) : 4 * (step % 2) + 4] for step in range(steps)]  # two batches, cycled
     reference = _small_llama(device).to(torch.bfloat16)
@@ -320,15 +318,10 @@ def _curve(device: torch.device, rank: int, world: int, steps: int) -> dict[str,
     for model, label in ((reference, "one process"), (sharded, f"FSDP2, {world} processes")):
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for input_ids in batches:
-            rows = input_ids if model is reference else input_ids[rank * per_rank : (rank + 1) * per_rank]
-            loss = model(input_ids=rows, labels=rows).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if model is sharded:
-                loss = loss.detach().clone()
-                dist.all_reduce(loss)
-                loss /= world
+            if model is reference:
+                loss = e2e._step(model, optimizer, input_ids)
+            else:  # this process's rows; the loss averaged over the processes
+                loss = _mean_loss(e2e._step(model, optimizer, input_ids[rank * per_rank : (rank + 1) * per_rank]))
             curves[label].append(loss.item())
     return curves
 
