@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import liger_lab  # noqa: F401  (chooses GPU or interpreter before triton is imported)
-from liger_lab import e2e, runtime
+from liger_lab import distributed, e2e, runtime
 
 FSDP = "fully_shard: layers, lm_head, root"
 
@@ -35,11 +33,7 @@ FSDP = "fully_shard: layers, lm_head, root"
 def worker(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    backend = runtime.pick(cpu="gloo", gpu="nccl")
-    if not runtime.INTERPRET:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    # A short timeout: a rank that runs out of memory leaves the other waiting in a collective.
-    dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    _, backend = distributed.join_processes(timeout_s=120)
     rank, world = dist.get_rank(), dist.get_world_size()
     config = e2e.llama_config(args.model)
     model = e2e.apply_mode(e2e.build_model(config, seed=0), args.mode)

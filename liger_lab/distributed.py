@@ -371,16 +371,25 @@ def _head_reference(device: torch.device) -> dict[str, Any]:
     return {"loss": loss.detach().cpu(), "grads": {name: p.grad.cpu() for name, p in model.named_parameters()}}
 
 
+def join_processes(timeout_s: float) -> tuple[torch.device, str]:
+    """Join the process group of a ``torchrun`` launch: NCCL with this process's GPU (``LOCAL_RANK``) as its
+    device, or gloo on CPU. A collective that waits longer than ``timeout_s`` fails (a peer that died, or ran out
+    of memory, must not leave the others waiting). Returns (device, backend)."""
+    import torch.distributed as dist
+
+    device = runtime.pick(cpu=runtime.DEVICE, gpu=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = runtime.pick(cpu="gloo", gpu="nccl")
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return device, backend
+
+
 def worker(plan: dict[str, Any], out_path: str) -> None:
     """One process of :func:`launch`: the runs of ``plan``; process 0 writes the report to ``out_path``."""
     import torch.distributed as dist
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = runtime.pick(cpu=runtime.DEVICE, gpu=torch.device("cuda", local_rank))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = runtime.pick(cpu="gloo", gpu="nccl")
-    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    device, backend = join_processes(timeout_s=300)
     rank, world = dist.get_rank(), dist.get_world_size()
     where = runtime.pick(cpu="CPU (kernels in Triton's interpreter)", gpu=f"{world} GPUs")
     report: dict[str, Any] = {"launch": f"{world} processes, {backend} on {where}", "cases": {}, "head_losses": {}}
