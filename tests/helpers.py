@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -41,3 +43,16 @@ class LargestNewTensor(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     self.largest = max(self.largest, t.numel())
         return out
+
+
+class OpCalls(TorchDispatchMode):
+    """How often each operator ran, by name (``liger_lab::glu``, ``liger_lab::glu_backward_``, ...): custom
+    operators pass through dispatch modes like aten's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))

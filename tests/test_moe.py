@@ -11,13 +11,12 @@ import copy
 import gc
 import importlib
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import OpCalls
 from test_patching import VOCAB, assert_same_training_step, batch, tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import liger_lab
 from liger_lab import patching, runtime
@@ -33,18 +32,6 @@ FUSED = "MoE experts (SwiGLU)"
 def _no_patched_models_left_over():
     gc.collect()
     yield
-
-
-class OpCalls(TorchDispatchMode):
-    """How often each operator ran, by name (``liger_lab::glu``, ``liger_lab::glu_backward_``, ...)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def experts_modules(model) -> list[torch.nn.Module]:

@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 import torch
+from helpers import OpCalls
 from test_patching import LOSS_TOL, batch, fused_class_names, loss_and_grads, tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import liger_lab
 from liger_lab import patching, runtime
@@ -258,20 +258,6 @@ def test_half_precision_step_matches_transformers(model_type):
         assert relative_l2_error(grad, their_grads[name]) < 3e-2, name
 
 
-class _LigerLabOps(TorchDispatchMode):
-    """Records the liger_lab operators that run (custom operators pass through dispatch modes like aten's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        namespace, name = str(func).split(".")[:2]
-        if namespace == "liger_lab":
-            self.names.add(name)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("model_type", sorted(patching.FAMILIES))
 def test_every_fused_piece_runs_its_kernel(model_type):
     """A patched model's step runs the kernel of every piece its family fuses, here and on the GPU (in bf16
@@ -280,11 +266,12 @@ def test_every_fused_piece_runs_its_kernel(model_type):
     family = patching.FAMILIES[model_type]
     model = liger_lab.patch(tiny_model(model_type).to(runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)))
     input_ids, labels = batch()
-    with _LigerLabOps() as ran:
+    with OpCalls() as calls:
         model(input_ids=input_ids, labels=labels).loss.backward()
     expected = {"rms_norm", "rms_norm_backward", "fused_linear_cross_entropy"}
     expected |= {"rope", "rope_backward"} if family.rope else set()
     expected |= {"glu"} if family.mlp or family.experts else set()
     expected |= {"add_rms_norm", "add_rms_norm_backward"} if family.add_norm else set()
-    ran_names = {name.rstrip("_") for name in ran.names}  # in-place variants end in _
-    assert expected <= ran_names, f"{model_type}: not run: {sorted(expected - ran_names)}; ran {sorted(ran.names)}"
+    # liger_lab's operators, in-place variants (ending in _) under their plain names
+    ran = {name.removeprefix("liger_lab::").rstrip("_") for name in calls.counts if name.startswith("liger_lab::")}
+    assert expected <= ran, f"{model_type}: not run: {sorted(expected - ran)}; ran {sorted(ran)}"
