@@ -7,8 +7,8 @@ At each op's DESIGN.md shape in bf16, what varies:
 
 - norms (rms_norm, add_rms_norm, layer_norm): the forward's rows per program and warps, and the persistent
   backward's rows, warps and programs per SM (:class:`liger_lab.runtime.RowLaunch`), each kernel timed alone;
-- cross_entropy: the streaming tile, columns per step and warps (a ``RowLaunch`` too), loss and gradient in one
-  kernel;
+- cross_entropy: the streaming tile, columns per step and warps, and the grid: one program per row, or a few per
+  SM looping over the rows (a ``RowLaunch`` too), loss and gradient in one kernel;
 - rope: heads and positions per step and head groups (:class:`liger_lab.ops.rope.RopeTile`), forward+backward;
 - glu (SwiGLU's kernels): block and warps (:class:`liger_lab.runtime.ElementwiseLaunch`), forward+backward.
 
@@ -51,8 +51,8 @@ class Settings:
     """(rows per program, warps)"""
     norm_backward: tuple[tuple[int, int, int], ...]
     """(rows per tile, warps, programs per SM)"""
-    streaming: tuple[tuple[int, int, int], ...]
-    """(columns per step, rows per program, warps)"""
+    streaming: tuple[tuple[int, int, int, int], ...]
+    """(columns per step, rows per program, warps, programs per SM; 0: one program per tile of rows)"""
     rope: tuple[tuple[int, int, int], ...]
     """(heads per step, positions per step, head groups)"""
     elementwise: tuple[tuple[int, int], ...]
@@ -62,7 +62,7 @@ class Settings:
 GPU_SETTINGS = Settings(
     norm_forward=tuple(itertools.product((1, 2, 4, 8), (4, 8, 16))),
     norm_backward=tuple(itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 4, 8))),
-    streaming=tuple(itertools.product((2048, 4096, 8192, 16384, 32768), (1,), (4, 8, 16, 32))),
+    streaming=tuple(itertools.product((4096, 8192, 16384), (1,), (8, 16, 32), (0, 1, 2, 4))),
     rope=tuple(itertools.product((2, 4, 8), (8, 16, 32), (1, 2))),
     elementwise=tuple(itertools.product((1024, 2048, 4096, 8192, 16384), (4, 8, 16))),
 )
@@ -70,7 +70,7 @@ GPU_SETTINGS = Settings(
 QUICK_SETTINGS = Settings(
     norm_forward=((8, 1),),
     norm_backward=((8, 1, 2),),
-    streaming=((256, 16, 1),),
+    streaming=((256, 16, 1, 1),),
     rope=((2, 8, 2),),
     elementwise=((1024, 1),),
 )
@@ -171,12 +171,16 @@ def cross_entropy_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> 
         )  # fmt: skip
         return loss, grad
 
+    def grid(rows: int, per_sm: int) -> int:
+        tiles = triton.cdiv(n_rows, rows)
+        return min(tiles, per_sm * runtime.sm_count()) if per_sm else tiles
+
     tiles = [
         (
-            f"block_n={block_n} rows={rows} warps={warps}",
-            runtime.RowLaunch(min(block_n, full_row), rows, warps, triton.cdiv(n_rows, rows)),
+            f"block_n={block_n} rows={rows} warps={warps} per_sm={per_sm}",
+            runtime.RowLaunch(min(block_n, full_row), rows, warps, grid(rows, per_sm)),
         )
-        for block_n, rows, warps in settings.streaming
+        for block_n, rows, warps, per_sm in settings.streaming
     ]
     default = runtime.streaming_row_launch(n_rows, vocab)
     min_bytes = _bytes("cross_entropy", shape, TABLE["cross_entropy"].full_passes, dtype)
