@@ -6,10 +6,11 @@
 At each op's DESIGN.md shape in bf16, what varies:
 
 - norms (rms_norm, add_rms_norm, layer_norm): the forward's rows per program and warps, and the persistent
-  backward's rows, warps and programs per SM (:class:`liger_lab.runtime.RowLaunch`), each kernel timed alone;
+  backward's rows, warps, programs per SM and tiles in flight (Triton's software pipelining of its loop)
+  (:class:`liger_lab.runtime.RowLaunch`), each kernel timed alone;
 - cross_entropy: the streaming tile, columns per step and warps, and the grid: one program per row, or a few per
   SM looping over the rows (a ``RowLaunch`` too), loss and gradient in one kernel;
-- rope: heads and positions per step and head groups (:class:`liger_lab.ops.rope.RopeTile`), forward+backward;
+- rope: heads and positions per step, head groups and warps (:class:`liger_lab.ops.rope.RopeTile`), forward+backward;
 - glu (SwiGLU's kernels): block and warps (:class:`liger_lab.runtime.ElementwiseLaunch`), forward+backward.
 
 Every setting's output is first compared with the default's (a setting that computes something else is reported
@@ -26,7 +27,7 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,29 +50,29 @@ class Settings:
 
     norm_forward: tuple[tuple[int, int], ...]
     """(rows per program, warps)"""
-    norm_backward: tuple[tuple[int, int, int], ...]
-    """(rows per tile, warps, programs per SM)"""
+    norm_backward: tuple[tuple[int, int, int, int], ...]
+    """(rows per tile, warps, programs per SM, tiles in flight per program)"""
     streaming: tuple[tuple[int, int, int, int], ...]
     """(columns per step, rows per program, warps, programs per SM; 0: one program per tile of rows)"""
-    rope: tuple[tuple[int, int, int], ...]
-    """(heads per step, positions per step, head groups)"""
+    rope: tuple[tuple[int, int, int, int], ...]
+    """(heads per step, positions per step, head groups, warps; 0: the tile's own choice)"""
     elementwise: tuple[tuple[int, int], ...]
     """(block, warps)"""
 
 
 GPU_SETTINGS = Settings(
-    norm_forward=tuple(itertools.product((1, 2, 4, 8), (4, 8, 16))),
-    norm_backward=tuple(itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 4, 8))),
+    norm_forward=tuple(itertools.product((1, 2, 4), (4, 8))),
+    norm_backward=tuple(itertools.product((2, 4), (8, 16), (1, 2), (1, 2, 3))),
     streaming=tuple(itertools.product((4096, 8192, 16384), (1,), (8, 16, 32), (0, 1, 2, 4))),
-    rope=tuple(itertools.product((2, 4, 8), (8, 16, 32), (1, 2))),
+    rope=tuple(itertools.product((1, 2, 4), (4, 8, 16), (1,), (0, 1, 4))),
     elementwise=tuple(itertools.product((1024, 2048, 4096, 8192, 16384), (4, 8, 16))),
 )
 # The interpreter ignores warps and pays per program: one setting besides the default, with few programs.
 QUICK_SETTINGS = Settings(
     norm_forward=((8, 1),),
-    norm_backward=((8, 1, 2),),
+    norm_backward=((8, 1, 2, 2),),
     streaming=((256, 16, 1, 1),),
-    rope=((2, 8, 2),),
+    rope=((2, 8, 2, 0),),
     elementwise=((1024, 1),),
 )
 
@@ -145,10 +146,12 @@ def norm_cases(op: str, settings: Settings, quick: bool, dtype: torch.dtype) -> 
     ]
     persistent = [
         (
-            f"rows={rows} warps={warps} per_sm={per_sm}",
-            runtime.RowLaunch(block_n, rows, warps, min(triton.cdiv(n_rows, rows), per_sm * runtime.sm_count())),
+            f"rows={rows} warps={warps} per_sm={per_sm} stages={stages}",
+            runtime.RowLaunch(
+                block_n, rows, warps, min(triton.cdiv(n_rows, rows), per_sm * runtime.sm_count()), stages
+            ),
         )
-        for rows, warps, per_sm in settings.norm_backward
+        for rows, warps, per_sm, stages in settings.norm_backward
     ]
     return [
         *setting_cases(op, "forward", forward, runtime.row_launch(n_rows, n_cols), tiled, fwd_bytes),
@@ -201,9 +204,15 @@ def rope_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> list[Case
     def tile(**overrides: int) -> rope.RopeTile:
         return rope.rope_tile(batch, seq_len, q_heads, k_heads, head_dim, **overrides)
 
+    def with_warps(tile: rope.RopeTile, warps: int) -> rope.RopeTile:
+        return replace(tile, num_warps=warps) if warps else tile
+
     tiles = [
-        (f"block_h={h} block_t={t} groups={groups}", tile(block_h=h, block_t=t, n_groups=groups))
-        for h, t, groups in settings.rope
+        (
+            f"block_h={h} block_t={t} groups={groups} warps={warps or 'auto'}",
+            with_warps(tile(block_h=h, block_t=t, n_groups=groups), warps),
+        )
+        for h, t, groups, warps in settings.rope
     ]
     min_bytes = _bytes("rope", shape, TABLE["rope"].full_passes, dtype)
     return setting_cases("rope", "forward+backward", launch_with, tile(), tiles, min_bytes)

@@ -103,6 +103,8 @@ class RowLaunch:
     rows: int
     num_warps: int
     grid: int
+    num_stages: int = 1
+    """Tiles of a persistent loop in flight at once: above 1, Triton loads the next tiles while this one computes."""
 
 
 def row_launch(n_rows: int, n_cols: int) -> RowLaunch:

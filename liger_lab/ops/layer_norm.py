@@ -67,7 +67,7 @@ def _layer_norm_forward_kernel(
 def _layer_norm_backward_kernel(
     dy_ptr, dy_row_stride, x_ptr, x_row_stride, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dx_row_stride, partial_ptr,
     n_rows, n_cols,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -77,7 +77,7 @@ def _layer_norm_backward_kernel(
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
 
     # Persistent loop: this program takes tiles program, program + grid, ... so dw and db stay in registers.
-    for tile in range(program, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+    for tile in tl.range(program, tl.cdiv(n_rows, ROWS), tl.num_programs(0), num_stages=NUM_STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
@@ -149,7 +149,7 @@ def layer_norm_backward(
     partials = torch.empty((launch.grid, 2 * n_cols), dtype=torch.float32, device=x.device)
     _layer_norm_backward_kernel[(launch.grid,)](
         dy, dy.stride(0), x, x.stride(0), weight, mean, rstd, dx, dx.stride(0), partials, n_rows, n_cols,
-        ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+        ROWS=launch.rows, BLOCK_N=launch.block_n, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
     )  # fmt: skip
     return dx, sum_partials(partials[:, :n_cols], weight.dtype), sum_partials(partials[:, n_cols:], weight.dtype)
 

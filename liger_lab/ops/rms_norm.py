@@ -98,7 +98,7 @@ def _rms_norm_forward_kernel(
 def _rms_norm_backward_kernel(
     dy_ptr, dy_row_stride, x_ptr, x_row_stride, w_ptr, rstd_ptr, dx_ptr, dx_row_stride, dw_partial_ptr,
     n_rows, n_cols, offset,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     ds_ptr=None, ds_row_stride=0, HAS_DS: tl.constexpr = False,
 ):  # fmt: skip
     program = tl.program_id(0)
@@ -108,7 +108,7 @@ def _rms_norm_backward_kernel(
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
 
     # Persistent loop: this program takes tiles program, program + grid, ... so dw stays in registers.
-    for tile in range(program, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+    for tile in tl.range(program, tl.cdiv(n_rows, ROWS), tl.num_programs(0), num_stages=NUM_STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
@@ -218,7 +218,7 @@ def rms_norm_backward(
         ds = ds.contiguous()
     _rms_norm_backward_kernel[(launch.grid,)](
         dy, dy.stride(0), x, x.stride(0), weight, rstd, dx, dx.stride(0), dw_partial, n_rows, n_cols, offset,
-        ROWS=launch.rows, BLOCK_N=launch.block_n,
+        ROWS=launch.rows, BLOCK_N=launch.block_n, NUM_STAGES=launch.num_stages,
         ds_ptr=ds, ds_row_stride=0 if ds is None else ds.stride(0), HAS_DS=ds is not None,
         num_warps=launch.num_warps,
     )  # fmt: skip
