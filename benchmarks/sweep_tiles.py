@@ -8,8 +8,8 @@ At each op's DESIGN.md shape in bf16, what varies:
 - norms (rms_norm, add_rms_norm, layer_norm): the forward's rows per program and warps, and the persistent
   backward's rows, warps, programs per SM and tiles in flight (Triton's software pipelining of its loop)
   (:class:`liger_lab.runtime.RowLaunch`), each kernel timed alone;
-- cross_entropy: the streaming tile, columns per step and warps, and the grid: one program per row, or a few per
-  SM looping over the rows (a ``RowLaunch`` too), loss and gradient in one kernel;
+- cross_entropy: the streaming tile, columns per step and warps (a ``RowLaunch`` too), loss and gradient in one
+  kernel;
 - rope: heads and positions per step, head groups and warps (:class:`liger_lab.ops.rope.RopeTile`), forward+backward;
 - glu (SwiGLU's kernels): block and warps (:class:`liger_lab.runtime.ElementwiseLaunch`), forward+backward.
 
@@ -52,8 +52,8 @@ class Settings:
     """(rows per program, warps)"""
     norm_backward: tuple[tuple[int, int, int, int], ...]
     """(rows per tile, warps, programs per SM, tiles in flight per program)"""
-    streaming: tuple[tuple[int, int, int, int], ...]
-    """(columns per step, rows per program, warps, programs per SM; 0: one program per tile of rows)"""
+    streaming: tuple[tuple[int, int, int], ...]
+    """(columns per step, rows per program, warps)"""
     rope: tuple[tuple[int, int, int, int], ...]
     """(heads per step, positions per step, head groups, warps; 0: the tile's own choice)"""
     elementwise: tuple[tuple[int, int], ...]
@@ -63,7 +63,7 @@ class Settings:
 GPU_SETTINGS = Settings(
     norm_forward=tuple(itertools.product((1, 2, 4), (4, 8))),
     norm_backward=tuple(itertools.product((2, 4), (8, 16), (1, 2), (1, 2, 3))),
-    streaming=tuple(itertools.product((4096, 8192, 16384), (1,), (8, 16, 32), (0, 1, 2, 4))),
+    streaming=tuple(itertools.product((2048, 4096, 8192, 16384, 32768), (1,), (4, 8, 16, 32))),
     rope=tuple(itertools.product((1, 2, 4), (4, 8, 16), (1,), (0, 1, 4))),
     elementwise=tuple(itertools.product((1024, 2048, 4096, 8192, 16384), (4, 8, 16))),
 )
@@ -71,7 +71,7 @@ GPU_SETTINGS = Settings(
 QUICK_SETTINGS = Settings(
     norm_forward=((8, 1),),
     norm_backward=((8, 1, 2, 2),),
-    streaming=((256, 16, 1, 1),),
+    streaming=((256, 16, 1),),
     rope=((2, 8, 2, 0),),
     elementwise=((1024, 1),),
 )
@@ -153,9 +153,13 @@ def norm_cases(op: str, settings: Settings, quick: bool, dtype: torch.dtype) -> 
         )
         for rows, warps, per_sm, stages in settings.norm_backward
     ]
+    forward_default = (layer_norm.forward_launch if op == "layer_norm" else runtime.row_launch)(n_rows, n_cols)
+    # The backward loads x and dy (and the fused add's ds) a row at a time.
+    stream_bytes = dtype.itemsize * (3 if op == "add_rms_norm" else 2)
+    backward_default = runtime.persistent_row_launch(n_rows, n_cols, stream_bytes=stream_bytes)
     return [
-        *setting_cases(op, "forward", forward, runtime.row_launch(n_rows, n_cols), tiled, fwd_bytes),
-        *setting_cases(op, "backward", backward, runtime.persistent_row_launch(n_rows, n_cols), persistent, bwd_bytes),
+        *setting_cases(op, "forward", forward, forward_default, tiled, fwd_bytes),
+        *setting_cases(op, "backward", backward, backward_default, persistent, bwd_bytes),
     ]
 
 
@@ -174,16 +178,12 @@ def cross_entropy_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> 
         )  # fmt: skip
         return loss, grad
 
-    def grid(rows: int, per_sm: int) -> int:
-        tiles = triton.cdiv(n_rows, rows)
-        return min(tiles, per_sm * runtime.sm_count()) if per_sm else tiles
-
     tiles = [
         (
-            f"block_n={block_n} rows={rows} warps={warps} per_sm={per_sm}",
-            runtime.RowLaunch(min(block_n, full_row), rows, warps, grid(rows, per_sm)),
+            f"block_n={block_n} rows={rows} warps={warps}",
+            runtime.RowLaunch(min(block_n, full_row), rows, warps, triton.cdiv(n_rows, rows)),
         )
-        for block_n, rows, warps, per_sm in settings.streaming
+        for block_n, rows, warps in settings.streaming
     ]
     default = runtime.streaming_row_launch(n_rows, vocab)
     min_bytes = _bytes("cross_entropy", shape, TABLE["cross_entropy"].full_passes, dtype)

@@ -59,5 +59,15 @@ def test_fp32_loss_curves_match(model_type):
 def test_bf16_loss_curves_match(model_type, mode):
     dtype = torch.bfloat16 if mode == "bf16_weights" else torch.float32
     ours, theirs = loss_curves(model_type, dtype=dtype, autocast=mode == "autocast", steps=50)
+    if patching.FAMILIES[model_type].experts:
+        # A mixture of experts sends each token to its top-k experts: a rounding difference that flips one
+        # token's choice moves that step's loss by several percent, and the next steps pull it back (Mixtral on
+        # the H200: 1.45 against 1.37 at step 7, 0.94 against 1.03 at step 9, both runs deterministic). Its
+        # curves are compared as means over windows of 5 steps, which a wrong gradient still moves for good.
+        ours, theirs = window_means(ours, 5), window_means(theirs, 5)
     # atol: once the batches are memorised the loss is small and its relative error meaningless.
     assert_curves_match(ours, theirs, rtol=3e-2, atol=2e-2)
+
+
+def window_means(losses: list[float], window: int) -> list[float]:
+    return [sum(losses[i : i + window]) / len(losses[i : i + window]) for i in range(0, len(losses), window)]

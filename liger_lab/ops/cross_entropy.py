@@ -51,93 +51,89 @@ def _cross_entropy_kernel(
     ROW_SCALE: tl.constexpr, COUNTS: tl.constexpr, DIVIDE_BY_COUNT: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # A program takes tiles of ROWS rows, pid, pid + grid, ...: one tile each when the grid covers them all,
-    # or a persistent loop when the grid is smaller, which bounds the rows in flight (and so what pass 2
-    # needs L2 to hold) to the grid.
-    for tile in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
-        rows = tile * ROWS + tl.arange(0, ROWS)
-        row_mask = rows < n_rows
-        target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index).to(tl.int64)
-        # An out-of-range target raises a ValueError on the host once the count kernel's result arrives,
-        # which may be after this kernel started: such a row is skipped here, never read out of bounds.
-        valid = row_mask & (target != ignore_index) & (target >= 0) & (target < n_cols)
-        row_ptr = z_ptr + rows.to(tl.int64) * z_row_stride  # int64: 16k rows x 128k columns passes 2**31
-        grad_row_ptr = grad_ptr + rows.to(tl.int64) * grad_row_stride
-        cols = tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index).to(tl.int64)
+    # An out-of-range target raises a ValueError on the host once the count kernel's result arrives,
+    # which may be after this kernel started: such a row is skipped here, never read out of bounds.
+    valid = row_mask & (target != ignore_index) & (target >= 0) & (target < n_cols)
+    row_ptr = z_ptr + rows.to(tl.int64) * z_row_stride  # int64: 16k rows x 128k columns passes 2**31
+    grad_row_ptr = grad_ptr + rows.to(tl.int64) * grad_row_stride
+    cols = tl.arange(0, BLOCK_N)
 
-        # Pass 1: running max m and sum s of exp(z - m) over blocks of the row (liger_lab.ops.logsumexp), in
-        # fp32. Ignored rows load nothing (masked), so they cost no bandwidth.
-        m = tl.full([ROWS], float("-inf"), tl.float32)
-        s = tl.zeros([ROWS], tl.float32)
-        z_sum = tl.zeros([ROWS], tl.float32)
-        for start in range(0, n_cols, BLOCK_N):
-            mask = valid[:, None] & ((start + cols) < n_cols)[None, :]
-            # evict_last: pass 2 reads this block again, so it should outlive the traffic of other rows in L2.
-            ptrs = row_ptr[:, None] + (start + cols)[None, :]
-            z = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            if SOFTCAP:  # softcap * tanh(z / softcap), tanh through the sigmoid (no libdevice in the interpreter)
-                z = softcap * (2 * tl.sigmoid(2 * z / softcap) - 1)
-            if SMOOTHING:
-                z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
-            m, s, _, _ = online_lse_step(m, s, tl.where(mask, z, float("-inf")), 1.0)
-        m = tl.where(valid, m, 0.0)
-        log_s = tl.log(tl.where(valid, s, 1.0))
-        lse = m + log_s
-
-        z_target = tl.load(row_ptr + target, mask=valid, other=0.0).to(tl.float32)
-        if SOFTCAP:
-            z_target = softcap * (2 * tl.sigmoid(2 * z_target / softcap) - 1)
-        # (m - z_target) + log s, not lse - z_target: with logits of 100 lse rounds to 1e-5, more than the loss of a
-        # confident token; m - z_target is exact when the target is the row's max, and log s is at most log V.
-        loss = (m - z_target) + log_s
+    # Pass 1: running max m and sum s of exp(z - m) over blocks of the row (liger_lab.ops.logsumexp), in
+    # fp32. Ignored rows load nothing (masked), so they cost no bandwidth.
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    z_sum = tl.zeros([ROWS], tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        mask = valid[:, None] & ((start + cols) < n_cols)[None, :]
+        # evict_last: pass 2 reads this block again, so it should outlive the traffic of other rows in L2.
+        ptrs = row_ptr[:, None] + (start + cols)[None, :]
+        z = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if SOFTCAP:  # softcap * tanh(z / softcap), tanh through the sigmoid (no libdevice in the interpreter)
+            z = softcap * (2 * tl.sigmoid(2 * z / softcap) - 1)
         if SMOOTHING:
-            loss = (1 - label_smoothing) * loss + label_smoothing * ((m - z_sum / n_cols) + log_s)
-        if Z_LOSS:
-            loss += z_loss_scale * lse * lse
-        tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
+            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
+        m, s, _, _ = online_lse_step(m, s, tl.where(mask, z, float("-inf")), 1.0)
+    m = tl.where(valid, m, 0.0)
+    log_s = tl.log(tl.where(valid, s, 1.0))
+    lse = m + log_s
 
-        # A target out of range anywhere (counted by the small kernel that ran before this one) means the
-        # call raises a ValueError: then no gradient is written, so the caller's logits stay intact.
-        no_bad_target = True
-        if COUNTS:
-            no_bad_target = tl.load(count_ptr + 1) == 0
-        if WRITE_GRAD and no_bad_target:
-            # Pass 2: the gradient, into grad (which may be the logits themselves: this program has read
-            # everything it needs from this row already). Ignored rows get exact zeros.
-            coef = tl.where(valid, grad_scale, 0.0)
-            if DIVIDE_BY_COUNT:  # a mean's 1 / (rows kept), counted on the GPU
-                coef /= tl.maximum(tl.load(count_ptr), 1).to(tl.float32)
-            if ROW_SCALE:
-                coef *= tl.load(row_scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)
-            p_scale = 1.0
-            if Z_LOSS:
-                p_scale = 1 + 2 * z_loss_scale * lse[:, None]
-            # Last block first: pass 1 read it most recently, so it is the likeliest to still be in L2.
-            n_blocks = tl.cdiv(n_cols, BLOCK_N)
-            for back in range(0, n_blocks):
-                start = (n_blocks - 1 - back) * BLOCK_N
-                in_row = ((start + cols) < n_cols)[None, :]
-                ptrs = row_ptr[:, None] + (start + cols)[None, :]
-                grad_ptrs = grad_row_ptr[:, None] + (start + cols)[None, :]
-                # evict_first on this last read and on the store: neither is read again, so they should not
-                # push blocks that pass 1 of other rows will need out of L2.
-                z = tl.load(ptrs, mask=valid[:, None] & in_row, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                if SOFTCAP:
-                    z = softcap * (2 * tl.sigmoid(2 * z / softcap) - 1)
-                grad = tl.exp(z - lse[:, None]) * p_scale
-                if SMOOTHING:
-                    grad -= label_smoothing / n_cols
-                grad = tl.where((start + cols)[None, :] == target[:, None], grad - (1 - label_smoothing), grad)
-                if SOFTCAP:
-                    tanh = z / softcap
-                    grad *= 1 - tanh * tanh
-                grad *= coef[:, None]
-                tl.store(
-                    grad_ptrs,
-                    grad.to(grad_ptr.dtype.element_ty),
-                    mask=row_mask[:, None] & in_row,
-                    eviction_policy="evict_first",
-                )
+    z_target = tl.load(row_ptr + target, mask=valid, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        z_target = softcap * (2 * tl.sigmoid(2 * z_target / softcap) - 1)
+    # (m - z_target) + log s, not lse - z_target: with logits of 100 lse rounds to 1e-5, more than the loss of a
+    # confident token; m - z_target is exact when the target is the row's max, and log s is at most log V.
+    loss = (m - z_target) + log_s
+    if SMOOTHING:
+        loss = (1 - label_smoothing) * loss + label_smoothing * ((m - z_sum / n_cols) + log_s)
+    if Z_LOSS:
+        loss += z_loss_scale * lse * lse
+    tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
+
+    # A target out of range anywhere (counted by the small kernel that ran before this one) means the
+    # call raises a ValueError: then no gradient is written, so the caller's logits stay intact.
+    no_bad_target = True
+    if COUNTS:
+        no_bad_target = tl.load(count_ptr + 1) == 0
+    if WRITE_GRAD and no_bad_target:
+        # Pass 2: the gradient, into grad (which may be the logits themselves: this program has read
+        # everything it needs from this row already). Ignored rows get exact zeros.
+        coef = tl.where(valid, grad_scale, 0.0)
+        if DIVIDE_BY_COUNT:  # a mean's 1 / (rows kept), counted on the GPU
+            coef /= tl.maximum(tl.load(count_ptr), 1).to(tl.float32)
+        if ROW_SCALE:
+            coef *= tl.load(row_scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+        p_scale = 1.0
+        if Z_LOSS:
+            p_scale = 1 + 2 * z_loss_scale * lse[:, None]
+        # Last block first: pass 1 read it most recently, so it is the likeliest to still be in L2.
+        n_blocks = tl.cdiv(n_cols, BLOCK_N)
+        for back in range(0, n_blocks):
+            start = (n_blocks - 1 - back) * BLOCK_N
+            in_row = ((start + cols) < n_cols)[None, :]
+            ptrs = row_ptr[:, None] + (start + cols)[None, :]
+            grad_ptrs = grad_row_ptr[:, None] + (start + cols)[None, :]
+            # evict_first on this last read and on the store: neither is read again, so they should not
+            # push blocks that pass 1 of other rows will need out of L2.
+            z = tl.load(ptrs, mask=valid[:, None] & in_row, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            if SOFTCAP:
+                z = softcap * (2 * tl.sigmoid(2 * z / softcap) - 1)
+            grad = tl.exp(z - lse[:, None]) * p_scale
+            if SMOOTHING:
+                grad -= label_smoothing / n_cols
+            grad = tl.where((start + cols)[None, :] == target[:, None], grad - (1 - label_smoothing), grad)
+            if SOFTCAP:
+                tanh = z / softcap
+                grad *= 1 - tanh * tanh
+            grad *= coef[:, None]
+            tl.store(
+                grad_ptrs,
+                grad.to(grad_ptr.dtype.element_ty),
+                mask=row_mask[:, None] & in_row,
+                eviction_policy="evict_first",
+            )
 
 
 @triton.jit

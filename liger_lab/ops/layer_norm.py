@@ -76,7 +76,8 @@ def _layer_norm_backward_kernel(
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
 
-    # Persistent loop: this program takes tiles program, program + grid, ... so dw and db stay in registers.
+    # Persistent loop: this program takes tiles program, program + grid, ... so dw and db stay in registers,
+    # NUM_STAGES of them in flight (see liger_lab/ops/rms_norm.py).
     for tile in tl.range(program, tl.cdiv(n_rows, ROWS), tl.num_programs(0), num_stages=NUM_STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < n_rows
@@ -103,6 +104,13 @@ def _layer_norm_backward_kernel(
     tl.store(partial_row + n_cols + cols, db_acc, mask=col_mask)
 
 
+def forward_launch(n_rows: int, n_cols: int) -> runtime.RowLaunch:
+    """The forward's tiling: on the GPU, rows of up to 8192 elements a program under a warp per 1024. LayerNorm
+    holds x - mean as well as x, and measured fastest with 2 rows of 4096 under 8 warps on an H200 (0.93x
+    RMSNorm's tile of one row; benchmarks/notes/layer_norm.md)."""
+    return runtime.row_launch(n_rows, n_cols, gpu_tile=8192, warp_elements=1024)
+
+
 def layer_norm_forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -112,14 +120,14 @@ def layer_norm_forward(
     launch: runtime.RowLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward on a 2-D row view. Returns (y, mean, rstd). ``launch``: the tiling,
-    :func:`liger_lab.runtime.row_launch`'s by default (a sweep passes its own)."""
+    :func:`forward_launch`'s by default (a sweep passes its own)."""
     n_rows, n_cols = x.shape
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if y.numel() == 0:
         return y, mean, rstd
-    launch = launch or runtime.row_launch(n_rows, n_cols)
+    launch = launch or forward_launch(n_rows, n_cols)
     _layer_norm_forward_kernel[(launch.grid,)](
         x, x.stride(0), weight, bias, y, y.stride(0), mean, rstd, n_rows, n_cols, eps,
         ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
@@ -145,7 +153,8 @@ def layer_norm_backward(
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight), torch.zeros_like(weight)
-    launch = launch or runtime.persistent_row_launch(n_rows, n_cols)
+    stream_bytes = dy.element_size() + x.element_size()
+    launch = launch or runtime.persistent_row_launch(n_rows, n_cols, stream_bytes=stream_bytes)
     partials = torch.empty((launch.grid, 2 * n_cols), dtype=torch.float32, device=x.device)
     _layer_norm_backward_kernel[(launch.grid,)](
         dy, dy.stride(0), x, x.stride(0), weight, mean, rstd, dx, dx.stride(0), partials, n_rows, n_cols,

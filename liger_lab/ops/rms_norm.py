@@ -107,7 +107,9 @@ def _rms_norm_backward_kernel(
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
 
-    # Persistent loop: this program takes tiles program, program + grid, ... so dw stays in registers.
+    # Persistent loop: this program takes tiles program, program + grid, ... so dw stays in registers. With
+    # NUM_STAGES > 1 Triton loads the next tiles into shared memory while this one computes: a program alone on
+    # its SM has no other program to hide its loads' latency behind.
     for tile in tl.range(program, tl.cdiv(n_rows, ROWS), tl.num_programs(0), num_stages=NUM_STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < n_rows
@@ -212,7 +214,8 @@ def rms_norm_backward(
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if dx is None else dx
     if n_rows == 0:  # no rows: no launch (a persistent grid of 0 programs), and dw sums nothing
         return dx, torch.zeros_like(weight)
-    launch = launch or runtime.persistent_row_launch(n_rows, n_cols)
+    stream_bytes = dy.element_size() + x.element_size() + (0 if ds is None else ds.element_size())
+    launch = launch or runtime.persistent_row_launch(n_rows, n_cols, stream_bytes=stream_bytes)
     dw_partial = torch.empty((launch.grid, n_cols), dtype=torch.float32, device=x.device)
     if ds is not None and ds.stride(-1) != 1:
         ds = ds.contiguous()
