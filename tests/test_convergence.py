@@ -7,7 +7,6 @@ different points than PyTorch does.
 
 import contextlib
 import copy
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -33,35 +32,23 @@ def train(model, batches, *, autocast: bool = False) -> list[float]:
     return losses
 
 
-def loss_curves(
-    model_type: str,
-    *,
-    dtype: torch.dtype = torch.float32,
-    autocast: bool = False,
-    steps: int = STEPS,
-    variant: Callable[[torch.nn.Module], object] | None = None,
-) -> list[list[float]]:
-    """The patched model's curve and transformers', then (with ``variant``, which changes a copy of transformers'
-    model in place) the curve of that variant of it."""
+def loss_curves(model_type: str, *, dtype: torch.dtype = torch.float32, autocast: bool = False, steps: int = STEPS):
     reference = tiny_model(model_type).to(dtype)
-    models = [liger_lab.patch(copy.deepcopy(reference)), reference]
-    if variant is not None:
-        models.append(copy.deepcopy(reference))
-        variant(models[-1])
+    patched = liger_lab.patch(copy.deepcopy(reference))
     # Four fixed sequences, cycled two at a time: a task the model can learn within a few steps.
     pool = torch.randint(0, reference.config.vocab_size, (4, 8), device=runtime.DEVICE)
     batches = [pool[2 * (step % 2) : 2 * (step % 2) + 2] for step in range(steps)]
-    return [train(model, batches, autocast=autocast) for model in models]
+    return train(patched, batches, autocast=autocast), train(reference, batches, autocast=autocast)
 
 
-def assert_curves_match(
-    ours: list[float], theirs: list[float], rtol: float, atol: float, noise: list[float] | None = None
-) -> None:
-    """Step by step within rtol and atol, plus ``noise[step]`` where given."""
-    noise = noise or [0.0] * len(theirs)
-    for step, (a, b, n) in enumerate(zip(ours, theirs, noise, strict=True)):
-        assert abs(a - b) <= rtol * abs(b) + atol + n, f"step {step}: patched loss {a:.5f}, transformers {b:.5f}"
-    assert theirs[-1] < 0.5 * theirs[0], "the reference did not learn: the comparison would prove nothing"
+def assert_curves_match(ours: list[float], theirs: list[float], rtol: float, atol: float) -> None:
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert abs(a - b) <= rtol * abs(b) + atol, f"step {step}: patched loss {a:.5f}, transformers {b:.5f}"
+    assert_learned(theirs)
+
+
+def assert_learned(losses: list[float]) -> None:
+    assert losses[-1] < 0.5 * losses[0], "the reference did not learn: the comparison would prove nothing"
 
 
 @pytest.mark.parametrize("model_type", runtime.pick(cpu=["llama"], gpu=["llama", "qwen3", "gemma2", "phi3"]))
@@ -75,21 +62,29 @@ def test_fp32_loss_curves_match(model_type):
 @pytest.mark.parametrize("mode", ["bf16_weights", "autocast"])
 def test_bf16_loss_curves_match(model_type, mode):
     dtype = torch.bfloat16 if mode == "bf16_weights" else torch.float32
-    moe = patching.FAMILIES[model_type].experts
-    # A mixture of experts sends each token to its top-k experts: a rounding difference that flips one token's
-    # choice moves that step's loss by several percent, and later steps pull it back (Mixtral on the H200: 1.45
-    # against 1.37 at step 7, both runs deterministic). There the allowance adds how far transformers' own two
-    # experts kernels (its eager loop, which is what is patched, and grouped_mm) are apart, both valid ways
-    # to round, over windows of 5 steps.
-    variant = (lambda model: model.set_experts_implementation("grouped_mm")) if moe else None
-    curves = loss_curves(model_type, dtype=dtype, autocast=mode == "autocast", steps=50, variant=variant)
-    ours, theirs, noise = curves[0], curves[1], None
-    if moe:
-        ours, theirs, other = (window_means(curve, 5) for curve in curves)
-        noise = [abs(a - b) for a, b in zip(other, theirs, strict=True)]
+    if patching.FAMILIES[model_type].experts:
+        assert_moe_tracks_fp32_as_well(model_type, mode)
+        return
+    ours, theirs = loss_curves(model_type, dtype=dtype, autocast=mode == "autocast", steps=50)
     # atol: once the batches are memorised the loss is small and its relative error meaningless.
-    assert_curves_match(ours, theirs, rtol=3e-2, atol=2e-2, noise=noise)
+    assert_curves_match(ours, theirs, rtol=3e-2, atol=2e-2)
 
 
-def window_means(losses: list[float], window: int) -> list[float]:
-    return [sum(losses[i : i + window]) / len(losses[i : i + window]) for i in range(0, len(losses), window)]
+def assert_moe_tracks_fp32_as_well(model_type: str, mode: str) -> None:
+    """A mixture of experts sends each token to its top-k experts, so a rounding difference that flips one token's
+    choice moves that step's loss by several percent, and later steps pull it back: two bf16 curves, each
+    rounding validly, cross a step-wise tolerance on some seeds and not others (on the H200, over five seeds of
+    both families and modes, 10 of 20 runs had at least one step off). What stays put is how far each bf16 curve runs from the exact one, the fp32
+    training of the same model on the same batches: there the patched model measured 0.17x to 2.4x
+    transformers' mean gap (0.82x over all 20 runs). A wrong gradient would drift by tenths."""
+    dtype = torch.bfloat16 if mode == "bf16_weights" else torch.float32
+    torch.manual_seed(0)  # the same model and batches for both calls
+    ours, theirs = loss_curves(model_type, dtype=dtype, autocast=mode == "autocast", steps=50)
+    torch.manual_seed(0)
+    exact = loss_curves(model_type, steps=50)[1]  # transformers in fp32
+
+    def mean_gap(curve: list[float]) -> float:
+        return sum(abs(a - b) for a, b in zip(curve, exact, strict=True)) / len(exact)
+
+    assert mean_gap(ours) <= 2 * mean_gap(theirs) + 1e-2, (mean_gap(ours), mean_gap(theirs))
+    assert_learned(theirs)
