@@ -74,9 +74,10 @@ def assert_moe_tracks_fp32_as_well(model_type: str, mode: str) -> None:
     """A mixture of experts sends each token to its top-k experts, so a rounding difference that flips one token's
     choice moves that step's loss by several percent, and later steps pull it back: two bf16 curves, each
     rounding validly, cross a step-wise tolerance on some seeds and not others (on the H200, over five seeds of
-    both families and modes, 10 of 20 runs had at least one step off). What stays put is how far each bf16 curve runs from the exact one, the fp32
-    training of the same model on the same batches: there the patched model measured 0.17x to 2.4x
-    transformers' mean gap (0.82x over all 20 runs). A wrong gradient would drift by tenths."""
+    both families and modes, 10 of 20 runs had at least one step off). What stays put is how far each bf16 curve
+    runs from the exact one, the fp32 training of the same model on the same batches: there the patched model
+    measured 0.17x to 2.4x transformers' mean gap (0.82x over all 20 runs;
+    benchmarks/results/h200-moe-convergence-seeds.json). A wrong gradient would drift by tenths."""
     dtype = torch.bfloat16 if mode == "bf16_weights" else torch.float32
     torch.manual_seed(0)  # the same model and batches for both calls
     ours, theirs = loss_curves(model_type, dtype=dtype, autocast=mode == "autocast", steps=50)
