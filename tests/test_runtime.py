@@ -54,6 +54,30 @@ def test_launch_settings_fit_the_matrix(n_rows, n_cols):
     assert persistent.block_n >= n_cols and 1 <= persistent.grid * persistent.rows <= n_rows + persistent.rows - 1
 
 
+@pytest.mark.parametrize(
+    "n_cols,stream_bytes,shared_kib,expected",
+    [
+        (4096, 4, 227, (2, 8, 3)),  # bf16 x and dy on an H200: 2 rows under 8 warps, three tiles in flight
+        (4096, 6, 227, (2, 8, 3)),  # the fused add's ds too: 144 KiB of stages still fit
+        (4096, 8, 227, (4, 16, 1)),  # fp32: three stages would take 192 KiB, so one tile of 4 rows
+        (4096, 4, 99, (4, 16, 1)),  # a GPU with 99 KiB of shared memory
+        (2048, 4, 227, (4, 8, 3)),  # narrower rows: more of them per tile
+        (16384, 4, 227, (1, 16, 1)),
+    ],
+)
+def test_the_persistent_tile_pipelines_only_where_three_stages_fit(
+    monkeypatch, n_cols, stream_bytes, shared_kib, expected
+):
+    """persistent_row_launch's GPU choice, worked out without a GPU: the measured H200 tile where its three stages
+    fit in three quarters of the shared memory, else the unpipelined one."""
+    monkeypatch.setattr(runtime, "INTERPRET", False)
+    monkeypatch.setattr(runtime, "sm_count", lambda: 132)
+    monkeypatch.setattr(runtime, "shared_memory_bytes", lambda: shared_kib * 1024)
+    launch = runtime.persistent_row_launch(16384, n_cols, stream_bytes=stream_bytes)
+    assert (launch.rows, launch.num_warps, launch.num_stages) == expected
+    assert launch.grid == 132
+
+
 def test_read_later_returns_the_values():
     values = torch.arange(4, device=runtime.DEVICE) * 3
     read = runtime.read_later(values)
