@@ -44,6 +44,7 @@ import time
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -541,6 +542,36 @@ def allocated_timeline(trace: Sequence[dict[str, Any]], start_bytes: int = 0) ->
     return times, allocated
 
 
+def live_at_peak(trace: Sequence[dict[str, Any]], top: int = 12) -> list[dict[str, Any]]:
+    """What holds the memory at the peak of a caching-allocator trace (as :func:`allocated_timeline` reads it): the
+    ``top`` largest blocks allocated and not yet freed at the moment the allocated bytes were highest, each with
+    its size in MiB and where it was allocated (the innermost frames outside torch's own modules, but for its
+    optimizers, from a trace recorded with ``stacks="python"``). Blocks allocated before the trace began are not
+    in it: compare two traces of the same step, not totals."""
+    current = peak = peak_index = 0
+    for index, event in enumerate(trace):
+        current += {"alloc": event["size"], "free_completed": -event["size"]}.get(event["action"], 0)
+        if current > peak:
+            peak, peak_index = current, index
+    live: dict[int, dict[str, Any]] = {}
+    for event in trace[: peak_index + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    largest = sorted(live.values(), key=lambda event: event["size"], reverse=True)[:top]
+    return [{"mib": round(event["size"] / 2**20, 1), "where": _allocation_site(event)} for event in largest]
+
+
+def _allocation_site(event: dict[str, Any], depth: int = 3) -> str:
+    frames = [
+        f"{Path(frame['filename']).name}:{frame['line']} {frame['name']}"
+        for frame in event.get("frames", [])
+        if "/torch/" not in frame["filename"] or "/torch/optim/" in frame["filename"]
+    ]
+    return " < ".join(frames[:depth]) or "?"
+
+
 def downsample_max(times: list[float], values: list[int], points: int = 2000) -> tuple[list[float], list[int]]:
     """At most ``points`` samples, keeping the largest value of each bucket so peaks survive."""
     if len(values) <= points:
@@ -566,8 +597,8 @@ def memory_timeline(
     compile_backend: str = "inductor",
 ) -> dict[str, Any]:
     """Allocated GPU memory through one training step (after a warm-up step made the optimizer states),
-    from the caching allocator's history. On CPU there is no allocator history: returns an empty
-    timeline with a note."""
+    from the caching allocator's history, and the largest blocks allocated in that step that are alive at its peak
+    (:func:`live_at_peak`). On CPU there is no allocator history: returns an empty timeline with a note."""
     if runtime.INTERPRET:
         return {"op": "e2e_timeline", "impl": mode, "t_ms": [], "allocated_gib": [],
                 "note": "memory timelines need a CUDA GPU"}  # fmt: skip
@@ -587,10 +618,10 @@ def memory_timeline(
         return {"op": "e2e_timeline", "impl": mode, "oom": True, "t_ms": [], "allocated_gib": []}
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    times, allocated = allocated_timeline(snapshot["device_traces"][torch.cuda.current_device()], start)
-    times, allocated = downsample_max(times, allocated)
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    times, allocated = downsample_max(*allocated_timeline(trace, start))
     return {"op": "e2e_timeline", "impl": mode, "batch": batch, "seq": seq, "t_ms": [round(t, 3) for t in times],
-            "allocated_gib": [round(a / GIB, 4) for a in allocated]}  # fmt: skip
+            "allocated_gib": [round(a / GIB, 4) for a in allocated], "live_at_peak": live_at_peak(trace)}  # fmt: skip
 
 
 def run_isolated(

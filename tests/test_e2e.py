@@ -225,6 +225,30 @@ def test_allocated_timeline_follows_allocations_and_completed_frees():
     assert times == [1.0, 2.0, 4.0]  # event numbers when the trace has no times
 
 
+def test_live_at_peak_lists_what_is_allocated_at_the_highest_point():
+    def frames(*names):
+        return [{"filename": f"/site-packages/{path}", "line": 1, "name": name} for path, name in names]
+
+    loss = frames(("torch/autograd/function.py", "apply"), ("liger_lab/ops/chunked.py", "loss"))
+    adam = frames(("torch/optim/adamw.py", "step"), ("liger_lab/e2e.py", "_step"))
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 3 << 20, "frames": loss},
+        {"action": "alloc", "addr": 2, "size": 1 << 20},
+        {"action": "free_completed", "addr": 2, "size": 1 << 20},
+        {"action": "alloc", "addr": 3, "size": 2 << 20, "frames": adam},  # 3 + 2 MiB
+        {"action": "free_completed", "addr": 1, "size": 3 << 20},
+        {"action": "alloc", "addr": 4, "size": 4 << 20},  # 2 + 4 MiB: the peak
+        {"action": "free_completed", "addr": 4, "size": 4 << 20},
+    ]
+    assert [row["mib"] for row in e2e.live_at_peak(trace)] == [4.0, 2.0]
+    # Cut before the 4 MiB block, the trace peaks at 5 MiB.
+    assert e2e.live_at_peak(trace[:5]) == [
+        {"mib": 3.0, "where": "chunked.py:1 loss"},  # torch's own frames left out
+        {"mib": 2.0, "where": "adamw.py:1 step < e2e.py:1 _step"},  # but for its optimizers
+    ]
+    assert e2e.live_at_peak(trace, top=1) == [{"mib": 4.0, "where": "?"}]
+
+
 def test_downsampling_keeps_the_peak():
     values = [i % 97 for i in range(10_000)]
     values[5_555] = 1_000
