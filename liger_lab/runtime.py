@@ -82,7 +82,8 @@ def shared_memory_bytes() -> int:
     if INTERPRET:
         return 228 * 1024
     properties = torch.cuda.get_device_properties(torch.cuda.current_device())
-    # An older torch lacks the field: 99 KiB is what every GPU since Ampere's consumer parts offers.
+    # An older torch lacks the field: 99 KiB, the opt-in limit of Ampere's and Ada's consumer parts, the least of
+    # the GPUs whose loads Triton pipelines.
     return getattr(properties, "shared_memory_per_block_optin", 99 * 1024)
 
 

@@ -36,7 +36,7 @@ from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape
 
 # Elements of one half-tile (heads x positions x D/2) per loop step on the GPU, and the heads among them: 2 heads
 # x 4 positions under one warp measured fastest on an H200 (0.92x the time of 4 heads x 16 positions under 8
-# warps; benchmarks/notes/rope.md). Many small programs keep more independent loads in flight per SM.
+# warps; benchmarks/notes/rope.md), presumably because more resident programs per SM keep more loads in flight.
 _GPU_STEP_ELEMENTS = 512
 _GPU_HEADS_PER_STEP = 2
 _CPU_STEP_ELEMENTS = 65536
