@@ -308,8 +308,9 @@ def _swiglu_experts(
     - The matmuls keep transformers' layout, ``x @ W.T`` (tokens x 2I). Computing ``W @ x.T`` instead would
       make gate and up contiguous halves, but an expert's token count is any number, so those rows (and the
       down projection's operand) are not 16-byte aligned and cuBLAS falls back to kernels several times
-      slower. The kernel copies the strided halves instead: at Qwen3-MoE's shape about 1.6 GB of traffic over
-      forward and backward, some 0.4 ms of the block's 34 ms.
+      slower. The op copies the strided halves instead (in the forward and again in the backward, whose
+      gradients chunk's backward then joins): at Qwen3-MoE's shape about 2.4 GB of traffic, some 0.6 ms of the
+      block's 34 ms.
     """
     final = torch.zeros_like(hidden_states)
     num_experts = experts.num_experts
