@@ -16,7 +16,6 @@ during the run shows it. ``--quick`` runs the op's small check shape, in the int
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -68,8 +67,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(profiling.result_line(result), flush=True)
             rows.append({**result.as_row(), "shape": list(shape), **({"position": position} if position else {})})
     if args.json:
-        environment = bench.environment()
-        args.json.write_text(json.dumps([{**row, **environment} for row in rows], indent=1) + "\n")
+        bench.write_rows(rows, args.json)
 
 
 if __name__ == "__main__":

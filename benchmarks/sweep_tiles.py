@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -339,9 +338,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = run(cases_of(args.only or GROUPS, args.quick))
     print("\n".join(fastest(rows)))
     if args.json:
-        environment = bench.environment()
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([{**row, **environment} for row in rows], indent=1) + "\n")
+        bench.write_rows(rows, args.json)
         print(f"wrote {args.json}")
 
 

@@ -289,7 +289,11 @@ def environment() -> dict:
 
 
 def write_json(results: list[profiling.Result], path: Path, extra: dict | None = None) -> None:
+    write_rows([{**r.as_row(), **(extra or {})} for r in results], path)
+
+
+def write_rows(rows: list[dict], path: Path) -> None:
+    """Result rows as a JSON list, each with the GPU, the versions and the date (:func:`environment`)."""
     env = environment()
-    rows = [{**r.as_row(), **env, **(extra or {})} for r in results]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rows, indent=1) + "\n")
+    path.write_text(json.dumps([{**row, **env} for row in rows], indent=1) + "\n")
