@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -105,29 +106,43 @@ Launcher = Callable[[object], Sequence[torch.Tensor]]
 """Launches a kernel (or a pair) with the config it is given; returns the tensors it wrote."""
 
 
-def norm_launchers(op: str, inputs: list) -> tuple[Launcher, Launcher]:
-    """(forward, backward) of a norm on 2-D rows."""
+class NormLaunchers(NamedTuple):
+    """A norm's two kernels on 2-D rows, each launched with the config it is given, and the op's default configs."""
+
+    forward: Launcher
+    backward: Launcher
+    forward_default: runtime.RowLaunch
+    backward_default: runtime.RowLaunch
+
+
+def norm_launchers(op: str, inputs: list) -> NormLaunchers:
     named = dict(zip(TABLE[op].input_names, inputs, strict=True))
     x, weight = named["x"].reshape(-1, named["x"].shape[-1]), named["weight"]
     dy = torch.randn_like(x)
     if op == "layer_norm":
         bias = named["bias"]
         _, mean, rstd = layer_norm.layer_norm_forward(x, weight, bias, EPS)
-        return (
+        return NormLaunchers(
             lambda launch: layer_norm.layer_norm_forward(x, weight, bias, EPS, launch=launch),
             lambda launch: layer_norm.layer_norm_backward(dy, x, weight, mean, rstd, launch=launch),
+            layer_norm.forward_launch(*x.shape),
+            layer_norm.backward_launch(dy, x),
         )
     if op == "add_rms_norm":
         residual, ds = named["residual"].reshape(x.shape), torch.randn_like(x)
         _, s, rstd = rms_norm.add_rms_norm_forward(x, residual, weight, EPS, 0.0, "llama")
-        return (
+        return NormLaunchers(
             lambda launch: rms_norm.add_rms_norm_forward(x, residual, weight, EPS, 0.0, "llama", launch=launch),
             lambda launch: rms_norm.rms_norm_backward(dy, s, weight, rstd, 0.0, ds=ds, launch=launch),
+            runtime.row_launch(*x.shape),
+            rms_norm.backward_launch(dy, s, ds),
         )
     _, rstd = rms_norm.rms_norm_forward(x, weight, EPS, 0.0, "llama")
-    return (
+    return NormLaunchers(
         lambda launch: rms_norm.rms_norm_forward(x, weight, EPS, 0.0, "llama", launch=launch),
         lambda launch: rms_norm.rms_norm_backward(dy, x, weight, rstd, 0.0, launch=launch),
+        runtime.row_launch(*x.shape),
+        rms_norm.backward_launch(dy, x),
     )
 
 
@@ -135,7 +150,7 @@ def norm_cases(op: str, settings: Settings, quick: bool, dtype: torch.dtype) -> 
     shape, inputs = table_inputs(op, quick, dtype)
     n_rows, n_cols = math.prod(shape[:-1]), shape[-1]
     block_n = triton.next_power_of_2(n_cols)
-    forward, backward = norm_launchers(op, inputs)
+    launchers = norm_launchers(op, inputs)
     spec = TABLE[op]
     fwd_bytes = _bytes(op, shape, spec.fwd_passes, dtype)
     bwd_bytes = _bytes(op, shape, spec.full_passes - spec.fwd_passes, dtype)
@@ -152,13 +167,9 @@ def norm_cases(op: str, settings: Settings, quick: bool, dtype: torch.dtype) -> 
         )
         for rows, warps, per_sm, stages in settings.norm_backward
     ]
-    forward_default = (layer_norm.forward_launch if op == "layer_norm" else runtime.row_launch)(n_rows, n_cols)
-    # The backward loads x and dy (and the fused add's ds) a row at a time.
-    stream_bytes = dtype.itemsize * (3 if op == "add_rms_norm" else 2)
-    backward_default = runtime.persistent_row_launch(n_rows, n_cols, stream_bytes=stream_bytes)
     return [
-        *setting_cases(op, "forward", forward, forward_default, tiled, fwd_bytes),
-        *setting_cases(op, "backward", backward, backward_default, persistent, bwd_bytes),
+        *setting_cases(op, "forward", launchers.forward, launchers.forward_default, tiled, fwd_bytes),
+        *setting_cases(op, "backward", launchers.backward, launchers.backward_default, persistent, bwd_bytes),
     ]
 
 

@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -527,6 +527,16 @@ def allocated_timeline(trace: Sequence[dict[str, Any]], start_bytes: int = 0) ->
     times; allocated bytes)."""
     times: list[float] = []
     allocated: list[int] = []
+    for index, event, current in _allocations(trace, start_bytes):
+        times.append(event["time_us"] / 1e3 if "time_us" in event else float(index))
+        allocated.append(current)
+    if times and "time_us" in trace[0]:
+        times = [t - times[0] for t in times]
+    return times, allocated
+
+
+def _allocations(trace: Sequence[dict[str, Any]], start_bytes: int = 0) -> Iterator[tuple[int, dict[str, Any], int]]:
+    """(index, event, allocated bytes after it) for each allocation and completed free of the trace."""
     current = start_bytes
     for index, event in enumerate(trace):
         if event["action"] == "alloc":
@@ -535,11 +545,7 @@ def allocated_timeline(trace: Sequence[dict[str, Any]], start_bytes: int = 0) ->
             current -= event["size"]
         else:
             continue
-        times.append(event["time_us"] / 1e3 if "time_us" in event else float(index))
-        allocated.append(current)
-    if times and "time_us" in trace[0]:
-        times = [t - times[0] for t in times]
-    return times, allocated
+        yield index, event, current
 
 
 def live_at_peak(trace: Sequence[dict[str, Any]], top: int = 12) -> list[dict[str, Any]]:
@@ -548,16 +554,12 @@ def live_at_peak(trace: Sequence[dict[str, Any]], top: int = 12) -> list[dict[st
     its size in MiB and where it was allocated (the innermost frames outside torch's own modules, but for its
     optimizers, from a trace recorded with ``stacks="python"``). Blocks allocated before the trace began are not
     in it: compare two traces of the same step, not totals."""
-    current = peak = peak_index = 0
-    for index, event in enumerate(trace):
-        current += {"alloc": event["size"], "free_completed": -event["size"]}.get(event["action"], 0)
-        if current > peak:
-            peak, peak_index = current, index
+    peak_index = max(_allocations(trace), key=lambda allocation: allocation[2], default=(-1, None, 0))[0]
     live: dict[int, dict[str, Any]] = {}
-    for event in trace[: peak_index + 1]:
+    for _, event, _ in _allocations(trace[: peak_index + 1]):
         if event["action"] == "alloc":
             live[event["addr"]] = event
-        elif event["action"] == "free_completed":
+        else:
             live.pop(event["addr"], None)
     largest = sorted(live.values(), key=lambda event: event["size"], reverse=True)[:top]
     return [{"mib": round(event["size"] / 2**20, 1), "where": _allocation_site(event)} for event in largest]

@@ -63,14 +63,14 @@ def test_fp32_loss_curves_match(model_type):
 def test_bf16_loss_curves_match(model_type, mode):
     dtype = torch.bfloat16 if mode == "bf16_weights" else torch.float32
     if patching.FAMILIES[model_type].experts:
-        assert_moe_tracks_fp32_as_well(model_type, mode)
+        assert_moe_tracks_fp32_as_well(model_type, dtype=dtype, autocast=mode == "autocast")
         return
     ours, theirs = loss_curves(model_type, dtype=dtype, autocast=mode == "autocast", steps=50)
     # atol: once the batches are memorised the loss is small and its relative error meaningless.
     assert_curves_match(ours, theirs, rtol=3e-2, atol=2e-2)
 
 
-def assert_moe_tracks_fp32_as_well(model_type: str, mode: str) -> None:
+def assert_moe_tracks_fp32_as_well(model_type: str, *, dtype: torch.dtype, autocast: bool) -> None:
     """A mixture of experts sends each token to its top-k experts, so a rounding difference that flips one token's
     choice moves that step's loss by several percent, and later steps pull it back: two bf16 curves, each
     rounding validly, cross a step-wise tolerance on some seeds and not others (on the H200, over five seeds of
@@ -78,9 +78,8 @@ def assert_moe_tracks_fp32_as_well(model_type: str, mode: str) -> None:
     runs from the exact one, the fp32 training of the same model on the same batches: there the patched model
     measured 0.17x to 2.4x transformers' mean gap (0.82x over all 20 runs;
     benchmarks/results/h200-moe-convergence-seeds.json). A wrong gradient would drift by tenths."""
-    dtype = torch.bfloat16 if mode == "bf16_weights" else torch.float32
     torch.manual_seed(0)  # the same model and batches for both calls
-    ours, theirs = loss_curves(model_type, dtype=dtype, autocast=mode == "autocast", steps=50)
+    ours, theirs = loss_curves(model_type, dtype=dtype, autocast=autocast, steps=50)
     torch.manual_seed(0)
     exact = loss_curves(model_type, steps=50)[1]  # transformers in fp32
 

@@ -58,7 +58,7 @@ def test_sweep_tiles_drops_a_setting_that_computes_something_else(benchmarks):
     sweep = benchmarks("sweep_tiles")
     shape, inputs = sweep.table_inputs("rms_norm", True, torch.float32)
     assert shape == (3, 37, 96)
-    forward, _ = sweep.norm_launchers("rms_norm", inputs)
+    forward = sweep.norm_launchers("rms_norm", inputs).forward
     settings = [
         ("too few programs", runtime.RowLaunch(block_n=128, rows=8, num_warps=1, grid=1)),  # 8 rows of 111
         ("rows=4", runtime.RowLaunch(block_n=128, rows=4, num_warps=1, grid=28)),

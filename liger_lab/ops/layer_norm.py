@@ -135,6 +135,12 @@ def layer_norm_forward(
     return y, mean, rstd
 
 
+def backward_launch(dy: torch.Tensor, x: torch.Tensor) -> runtime.RowLaunch:
+    """The backward's default tiling on 2-D row views: the persistent grid, told the bytes per column its loop loads
+    (dy and x)."""
+    return runtime.persistent_row_launch(x.shape[0], x.shape[1], stream_bytes=dy.element_size() + x.element_size())
+
+
 def layer_norm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -145,7 +151,7 @@ def layer_norm_backward(
     launch: runtime.RowLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward on 2-D row views. Returns (dx, dw, db). ``launch``: the persistent grid,
-    :func:`liger_lab.runtime.persistent_row_launch`'s by default."""
+    :func:`backward_launch`'s by default."""
     n_rows, n_cols = x.shape
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     # The kernel reads row i's statistics at offset i, whatever shape the op gave them.
@@ -153,8 +159,7 @@ def layer_norm_backward(
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight), torch.zeros_like(weight)
-    stream_bytes = dy.element_size() + x.element_size()
-    launch = launch or runtime.persistent_row_launch(n_rows, n_cols, stream_bytes=stream_bytes)
+    launch = launch or backward_launch(dy, x)
     partials = torch.empty((launch.grid, 2 * n_cols), dtype=torch.float32, device=x.device)
     _layer_norm_backward_kernel[(launch.grid,)](
         dy, dy.stride(0), x, x.stride(0), weight, mean, rstd, dx, dx.stride(0), partials, n_rows, n_cols,

@@ -193,6 +193,13 @@ def add_rms_norm_forward(
     return _forward(x, weight, eps, offset, casting_mode, residual=residual, launch=launch)
 
 
+def backward_launch(dy: torch.Tensor, x: torch.Tensor, ds: torch.Tensor | None = None) -> runtime.RowLaunch:
+    """The backward's default tiling on 2-D row views: the persistent grid, told the bytes per column its loop loads
+    (dy, x and, for the fused add, ds) so that it keeps as many tiles in flight as shared memory holds."""
+    stream_bytes = sum(t.element_size() for t in (dy, x, ds) if t is not None)
+    return runtime.persistent_row_launch(x.shape[0], x.shape[1], stream_bytes=stream_bytes)
+
+
 def rms_norm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -207,15 +214,14 @@ def rms_norm_backward(
     """Launch the backward on 2-D row views. Returns (dx, dw); dx goes into ``dx`` when given (it may be
     ``dy`` itself: each program reads a tile before it writes it). ``ds``, when given, is a gradient that
     reached x directly (x is then the fused add's sum, an output of its own) and is added into dx.
-    ``launch``: the persistent grid, :func:`liger_lab.runtime.persistent_row_launch`'s by default."""
+    ``launch``: the persistent grid, :func:`backward_launch`'s by default."""
     n_rows, n_cols = x.shape
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     rstd = rstd.contiguous().view(-1)  # the kernel reads row i's statistic at offset i, whatever rstd's shape
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if dx is None else dx
     if n_rows == 0:  # no rows: no launch (a persistent grid of 0 programs), and dw sums nothing
         return dx, torch.zeros_like(weight)
-    stream_bytes = dy.element_size() + x.element_size() + (0 if ds is None else ds.element_size())
-    launch = launch or runtime.persistent_row_launch(n_rows, n_cols, stream_bytes=stream_bytes)
+    launch = launch or backward_launch(dy, x, ds)
     dw_partial = torch.empty((launch.grid, n_cols), dtype=torch.float32, device=x.device)
     if ds is not None and ds.stride(-1) != 1:
         ds = ds.contiguous()
