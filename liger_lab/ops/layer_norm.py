@@ -31,7 +31,14 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
-from liger_lab.ops.common import as_rows, check_feature_vector, check_float, check_same_dtype, sum_partials
+from liger_lab.ops.common import (
+    as_rows,
+    check_feature_vector,
+    check_float,
+    check_same_dtype,
+    row_op_in_layout,
+    sum_partials,
+)
 
 
 @triton.jit
@@ -64,6 +71,11 @@ def _layer_norm_forward_kernel(
 
 
 @triton.jit
+def _add_pairs(a_sum, b_sum, a, b):
+    return a_sum + a, b_sum + b
+
+
+@triton.jit
 def _layer_norm_backward_kernel(
     dy_ptr, dy_row_stride, x_ptr, x_row_stride, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dx_row_stride, partial_ptr,
     n_rows, n_cols,
@@ -91,8 +103,9 @@ def _layer_norm_backward_kernel(
         # Padding has dy == 0 (so g == 0): it drops out of every sum below without a tl.where.
         xhat = (x - mean[:, None]) * rstd[:, None]
         g = dy * w[None, :]
-        mean_g = tl.sum(g, axis=1) / n_cols
-        mean_gx = tl.sum(g * xhat, axis=1) / n_cols
+        # Both row sums in one reduction: the warps of a row meet in shared memory once, not twice.
+        sum_g, sum_gx = tl.reduce((g, g * xhat), 1, _add_pairs)
+        mean_g, mean_gx = sum_g / n_cols, sum_gx / n_cols
         dx = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
         tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw_acc += tl.sum(dy * xhat, axis=0)
@@ -234,4 +247,4 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     check_same_dtype(x=x, weight=weight, bias=bias)
     if not eps >= 0:
         raise ValueError(f"eps is {eps}: expected a non-negative number")
-    return torch.ops.liger_lab.layer_norm(x, weight, bias, float(eps))[0]
+    return row_op_in_layout(lambda rows: torch.ops.liger_lab.layer_norm(rows, weight, bias, float(eps))[0], x)
