@@ -61,6 +61,15 @@ def test_non_contiguous_input(layout):
     assert ok and seen == [(False, True, True)]
 
 
+def test_transposed_heads_keep_their_memory_layout():
+    # Rows dense in another order (a (B, T, H, D) -> (B, H, T, D) view) are normalised where they lie, without a
+    # copy, and the output has their layout (PyTorch's layer_norm copies them and returns a contiguous output).
+    x = randn(2, 5, 3, 16).transpose(1, 2)
+    assert liger_lab.layer_norm(x, *_params(16)).stride() == x.stride()
+    ok, seen = _check_layouts(randn(2, 5, 3, 16), *_params(16), lambda x: x.transpose(1, 2))
+    assert ok and seen == [(False, True, True)]
+
+
 def test_non_contiguous_parameters():
     ok, seen = _check_layouts(randn(6, 80), *_params(80), lambda x: x, non_contiguous)
     assert ok and seen == [(True, False, False)]

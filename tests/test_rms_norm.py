@@ -40,6 +40,27 @@ def test_non_contiguous_input(layout):
     assert _check(x, randn(x.shape[-1]))
 
 
+def test_transposed_heads_keep_their_memory_layout():
+    # Gemma 3 normalises q_proj(h).view(B, T, H, D).transpose(1, 2): dense rows in another order. The output keeps
+    # that layout, as PyTorch's elementwise ops do (a contiguous one costs a copy before o_proj, kept for backward).
+    def heads(x):
+        return x.transpose(1, 2)
+
+    layouts = []
+
+    def ours(x, w):
+        y = liger_lab.rms_norm(heads(x), w, 1e-6, offset=1.0, casting_mode="gemma")
+        layouts.append((y.stride(), heads(x).stride()))
+        return y
+
+    def theirs(x, w):
+        return reference.rms_norm(heads(x), w, 1e-6, offset=1.0, casting_mode="gemma")
+
+    x, w = randn(2, 5, 3, 16), randn(16)
+    assert check_against_reference("rms_norm", ours, theirs, [x, w], input_names=["x", "weight"])
+    assert layouts and all(y_strides == x_strides for y_strides, x_strides in layouts)
+
+
 def test_strided_weight():
     assert _check(randn(6, 40), non_contiguous(randn(40)))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -51,6 +52,27 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View ``x`` as (rows, last dim) with unit stride along the row; copies only when it must."""
     rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # not -1: that is ambiguous for a last dim of 0
     return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
+
+
+def row_op_in_layout(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``op(x)`` for a row-wise op (one output row per row of x's last dimension), returned in x's memory layout.
+
+    A permuted dense tensor, such as the ``(B, T, H, D) -> (B, H, T, D)`` transposed view Gemma 3 hands its
+    per-head q/k norms, is not a stack of rows as it stands: :func:`as_rows` would copy it. Permuted back into
+    memory order it is one, so ``op`` runs on that view without a copy and its output is permuted back, in
+    the layout PyTorch's elementwise ops would give. A contiguous output in the transposed order would cost a
+    copy later instead (the attention output then needs one before ``o_proj``, saved for backward: one activation
+    per layer).
+    """
+    leading = range(x.dim() - 1)
+    if x.is_contiguous() or x.stride(-1) != 1:
+        return op(x)
+    order = sorted(leading, key=lambda dim: -x.stride(dim))
+    in_memory_order = x.permute(*order, x.dim() - 1)
+    if not in_memory_order.is_contiguous():  # overlapping or gapped: nothing to keep
+        return op(x)
+    undo = sorted(leading, key=order.__getitem__)
+    return op(in_memory_order).permute(*undo, x.dim() - 1)
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:

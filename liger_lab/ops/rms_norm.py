@@ -55,6 +55,7 @@ from liger_lab.ops.common import (
     check_same_dtype,
     check_same_shape,
     in_place_requested,
+    row_op_in_layout,
     sum_partials,
 )
 
@@ -330,10 +331,10 @@ def rms_norm(
     """
     check_float("x", x)
     _check_arguments(x, weight, eps, casting_mode)
-    y, _ = torch.ops.liger_lab.rms_norm(
-        x, weight, float(eps), float(offset), casting_mode, in_place_requested(in_place_backward, x)
+    in_place = in_place_requested(in_place_backward, x)
+    return row_op_in_layout(
+        lambda rows: torch.ops.liger_lab.rms_norm(rows, weight, float(eps), float(offset), casting_mode, in_place)[0], x
     )
-    return y
 
 
 # --------------------------------------------------------------------------------------------------
