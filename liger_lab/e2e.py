@@ -550,10 +550,11 @@ def _allocations(trace: Sequence[dict[str, Any]], start_bytes: int = 0) -> Itera
 
 def live_at_peak(trace: Sequence[dict[str, Any]], top: int = 12) -> list[dict[str, Any]]:
     """What holds the memory at the peak of a caching-allocator trace (as :func:`allocated_timeline` reads it): the
-    ``top`` largest blocks allocated and not yet freed at the moment the allocated bytes were highest, each with
-    its size in MiB and where it was allocated (the innermost frames outside torch's own modules, but for its
-    optimizers, from a trace recorded with ``stacks="python"``). Blocks allocated before the trace began are not
-    in it: compare two traces of the same step, not totals."""
+    blocks allocated and not yet freed at the moment the allocated bytes were highest, grouped by where they were
+    allocated (the innermost frames outside torch's own modules, but for its optimizers, from a trace recorded with
+    ``stacks="python"``), the ``top`` largest groups first. Each gives its MiB in all, its number of blocks and
+    its largest block: a layer's activation shows as one group of as many blocks as layers. Blocks allocated before
+    the trace began are not in it: compare two traces of the same step, not totals."""
     peak_index = max(_allocations(trace), key=lambda allocation: allocation[2], default=(-1, None, 0))[0]
     live: dict[int, dict[str, Any]] = {}
     for _, event, _ in _allocations(trace[: peak_index + 1]):
@@ -561,8 +562,12 @@ def live_at_peak(trace: Sequence[dict[str, Any]], top: int = 12) -> list[dict[st
             live[event["addr"]] = event
         else:
             live.pop(event["addr"], None)
-    largest = sorted(live.values(), key=lambda event: event["size"], reverse=True)[:top]
-    return [{"mib": round(event["size"] / 2**20, 1), "where": _allocation_site(event)} for event in largest]
+    groups: dict[str, list[int]] = {}
+    for event in live.values():
+        groups.setdefault(_allocation_site(event), []).append(event["size"])
+    largest = sorted(groups.items(), key=lambda group: sum(group[1]), reverse=True)[:top]
+    return [{"mib": round(sum(sizes) / 2**20, 1), "blocks": len(sizes), "largest_mib": round(max(sizes) / 2**20, 1),
+             "where": where} for where, sizes in largest]  # fmt: skip
 
 
 def _allocation_site(event: dict[str, Any], depth: int = 3) -> str:
@@ -623,7 +628,8 @@ def memory_timeline(
     trace = snapshot["device_traces"][torch.cuda.current_device()]
     times, allocated = downsample_max(*allocated_timeline(trace, start))
     return {"op": "e2e_timeline", "impl": mode, "batch": batch, "seq": seq, "t_ms": [round(t, 3) for t in times],
-            "allocated_gib": [round(a / GIB, 4) for a in allocated], "live_at_peak": live_at_peak(trace)}  # fmt: skip
+            "allocated_gib": [round(a / GIB, 4) for a in allocated], "live_at_peak": live_at_peak(trace),
+            **_environment()}  # fmt: skip
 
 
 def run_isolated(

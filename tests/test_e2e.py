@@ -243,10 +243,20 @@ def test_live_at_peak_lists_what_is_allocated_at_the_highest_point():
     assert [row["mib"] for row in e2e.live_at_peak(trace)] == [4.0, 2.0]
     # Cut before the 4 MiB block, the trace peaks at 5 MiB.
     assert e2e.live_at_peak(trace[:5]) == [
-        {"mib": 3.0, "where": "chunked.py:1 loss"},  # torch's own frames left out
-        {"mib": 2.0, "where": "adamw.py:1 step < e2e.py:1 _step"},  # but for its optimizers
+        {"mib": 3.0, "blocks": 1, "largest_mib": 3.0, "where": "chunked.py:1 loss"},  # torch's own frames left out
+        {"mib": 2.0, "blocks": 1, "largest_mib": 2.0, "where": "adamw.py:1 step < e2e.py:1 _step"},  # but optimizers'
     ]
-    assert e2e.live_at_peak(trace, top=1) == [{"mib": 4.0, "where": "?"}]
+    assert e2e.live_at_peak(trace, top=1) == [{"mib": 4.0, "blocks": 1, "largest_mib": 4.0, "where": "?"}]
+
+
+def test_live_at_peak_groups_blocks_allocated_at_one_place():
+    layer = [{"filename": "/site-packages/transformers/modeling_x.py", "line": 7, "name": "forward"}]
+    trace = [{"action": "alloc", "addr": i, "size": (1 + i % 2) << 20, "frames": layer} for i in range(4)]
+    trace.append({"action": "alloc", "addr": 9, "size": 5 << 20})
+    assert e2e.live_at_peak(trace) == [
+        {"mib": 6.0, "blocks": 4, "largest_mib": 2.0, "where": "modeling_x.py:7 forward"},
+        {"mib": 5.0, "blocks": 1, "largest_mib": 5.0, "where": "?"},
+    ]
 
 
 def test_downsampling_keeps_the_peak():
