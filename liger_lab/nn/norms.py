@@ -122,4 +122,5 @@ class LayerNorm(nn.Module):
         return layer_norm(input, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, bias=True"
+        # torch.nn.LayerNorm's own words, in whichever torch is installed (newer ones add "bias=True").
+        return nn.LayerNorm.extra_repr(self)
