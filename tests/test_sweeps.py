@@ -54,6 +54,11 @@ def test_sweep_tiles_checks_each_setting_against_the_default_and_times_it(benchm
     assert "rope forward+backward: fastest" in capsys.readouterr().out
 
 
+def test_sweep_tiles_sweeps_one_norm_alone(benchmarks):
+    cases = benchmarks("sweep_tiles").cases_of(["layer_norm"], quick=True)
+    assert {(case.op, case.kernel) for case in cases} == {("layer_norm", "forward"), ("layer_norm", "backward")}
+
+
 def test_sweep_tiles_drops_a_setting_that_computes_something_else(benchmarks):
     sweep = benchmarks("sweep_tiles")
     shape, inputs = sweep.table_inputs("rms_norm", True, torch.float32)
