@@ -146,5 +146,9 @@ def test_moe_benchmark_runs_quick(monkeypatch, tmp_path, capsys):
     assert {(r["op"], r["impl"]) for r in rows} == {
         (block, impl) for block in ("qwen3-moe", "mixtral") for impl in benchmark.IMPLS
     }  # fmt: skip
-    assert all(r["full_ms"] > 0 and r["rel_err_vs_transformers"] < 1e-5 and r["transformers"] for r in rows)
+    # The same products summed in another order: fp32 on CPU agrees to 1e-5; bf16 on a GPU to about an ulp
+    # (transformers' own grouped_mm differs from its loop by 4e-3 on an H200, h200-moe-experts.json).
+    tolerance = {"float32": 1e-5, "bfloat16": 2e-2}
+    assert all(r["full_ms"] > 0 and r["rel_err_vs_transformers"] < tolerance[r["dtype"]] and r["transformers"]
+               for r in rows)  # fmt: skip
     assert "liger_lab" in capsys.readouterr().out
