@@ -19,13 +19,14 @@ from liger_lab import bench, e2e
 from liger_lab.ops import fused_linear_cross_entropy as flce_ops
 
 MIB = 2**20
+BATCH, SEQ = 8, 2048
 
 
 def run_one(model: str, budget_mib: int) -> dict:
     flce_ops.CHUNK_BUDGET_BYTES = budget_mib * MIB
     config = e2e.model_config(model)
-    row = e2e.train("liger_lab", config, 8, 2048, steps=5, warmup=2)
-    tokens = flce_ops.chunk_tokens_for(8 * 2048, config.vocab_size, e2e.default_dtype())
+    row = e2e.train("liger_lab", config, BATCH, SEQ, steps=5, warmup=2)
+    tokens = flce_ops.chunk_tokens_for(BATCH * SEQ, config.vocab_size, e2e.default_dtype())
     return {**row, "model": model, "chunk_budget_mib": budget_mib, "chunk_tokens": tokens}
 
 
