@@ -710,6 +710,8 @@ def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, A
             if dtype is not None:  # what autocast would have done to the lm_head's matmul
                 hidden, weight = hidden.to(dtype), weight.to(dtype)
                 bias = None if bias is None else bias.to(dtype)
+            # The loss's chunk sits on top of every activation of the step: bounded by the hidden states.
+            chunk_tokens = flce_ops.chunk_tokens_in_model(*hidden.shape, weight.shape[0], hidden.dtype)
             if lora is not None:
                 hidden, weight = lora.widen(lora_input, hidden, weight)
             return flce_ops.fused_linear_cross_entropy(
@@ -720,6 +722,7 @@ def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, A
                 ignore_index=ignore_index,
                 reduction=reduction,
                 softcap=softcap,
+                chunk_tokens=chunk_tokens,
                 loss_dtype=torch.float32,
                 # The final norm's output is read by this loss alone, unless the caller asked for the hidden
                 # states (they include it): then it must stay intact. A LoRA head's concatenation is the loss's

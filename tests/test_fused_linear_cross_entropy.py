@@ -234,6 +234,14 @@ def test_chunk_size_follows_the_memory_budget():
     assert flce_module.chunk_tokens_for(100, 32000, torch.bfloat16) == 100  # never above the token count
 
 
+def test_a_models_chunk_is_bounded_by_two_hidden_states():
+    # 8 x 2048 tokens, H = 2048, V = 151936, bf16: two hidden states are 128 MiB -> 441 tokens -> 384.
+    assert flce_module.chunk_tokens_in_model(16384, 2048, 151936, torch.bfloat16) == 384
+    # Many tokens: the op's own budget is the smaller bound (240 MiB -> 828 -> 768).
+    assert flce_module.chunk_tokens_in_model(65536, 2048, 151936, torch.bfloat16) == 768
+    assert flce_module.chunk_tokens_in_model(8, 64, 1000, torch.float32) == 8  # never above the token count
+
+
 def test_auto_accumulation_picks_fp32_when_it_fits():
     small = torch.empty(1000, 64, dtype=torch.bfloat16, device="meta")
     llama3_head = torch.empty(128256, 4096, dtype=torch.bfloat16, device="meta")

@@ -388,6 +388,23 @@ def fused_calls(monkeypatch):
     return calls
 
 
+def test_the_models_loss_chunk_is_bounded_by_its_hidden_states(monkeypatch):
+    model = liger_lab.patch(tiny_model("llama"))
+    chunks = []
+    fused = patching.flce_ops.fused_linear_cross_entropy
+    monkeypatch.setattr(
+        patching.flce_ops,
+        "fused_linear_cross_entropy",
+        lambda *a, **k: chunks.append(k["chunk_tokens"]) or fused(*a, **k),
+    )
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 48), device=runtime.DEVICE)
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    dtype = model.lm_head.weight.dtype
+    expected = patching.flce_ops.chunk_tokens_in_model(2 * 48, model.config.hidden_size, model.config.vocab_size, dtype)
+    assert chunks == [expected]
+    assert expected < patching.flce_ops.chunk_tokens_for(2 * 48, model.config.vocab_size, dtype)  # the model's bound
+
+
 def fallback_warnings(record) -> list[str]:
     return [str(w.message) for w in record if "materialises the logits" in str(w.message)]
 
