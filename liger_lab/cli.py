@@ -44,6 +44,8 @@ class CheckCase:
     reference: Callable[..., object]
     inputs: list[object]
     input_names: list[str]
+    tol: float | None = None
+    """The op's own tolerance in this dtype, None for :data:`liger_lab.checks.TOLERANCE`'s."""
 
 
 @dataclass
@@ -78,7 +80,8 @@ def _case(op: str, dtype: torch.dtype) -> CheckCase:
 
         return call
 
-    return CheckCase(op, dtype, shape, bind(spec.function), bind(spec.reference), [named[n] for n in varying], varying)
+    checked, tol = [named[n] for n in varying], spec.check_tolerances.get(dtype)
+    return CheckCase(op, dtype, shape, bind(spec.function), bind(spec.reference), checked, varying, tol)
 
 
 def check_dtypes() -> tuple[torch.dtype, ...]:
@@ -92,7 +95,13 @@ def run_case(case: CheckCase) -> CheckResult:
     try:
         with contextlib.redirect_stdout(printed):
             ok = checks.check_against_reference(
-                case.op, case.fn, case.reference, case.inputs, input_names=case.input_names, errors=errors
+                case.op,
+                case.fn,
+                case.reference,
+                case.inputs,
+                input_names=case.input_names,
+                tol=case.tol,
+                errors=errors,
             )
     except Exception as error:  # a kernel that raises is a failed check, not a crashed command
         return CheckResult(

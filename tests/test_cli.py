@@ -1,3 +1,4 @@
+import dataclasses
 import importlib.util
 import json
 import math
@@ -49,6 +50,15 @@ def test_check_reports_worst_relative_error_of_all_comparisons():
     # three comparisons (output, grad x, grad weight): the worst is the largest printed figure (printed to 2 digits)
     figures = [float(line.split("rel L2 ")[1].split()[0]) for line in only.detail.splitlines()]
     assert len(figures) == 3 and f"{only.worst_rel_error:.1e}" == f"{max(figures):.1e}"
+
+
+def test_an_ops_own_tolerance_reaches_its_check():
+    assert cli._case("fused_linear_dpo", torch.float32).tol == 1e-4
+    assert cli._case("rms_norm", torch.float32).tol is None  # checks.TOLERANCE's
+    case = cli._case("rms_norm", torch.float32)
+    wrong = dataclasses.replace(case, fn=lambda *args: 1.001 * case.fn(*args))
+    assert cli.run_case(wrong).status == "FAIL"
+    assert cli.run_case(dataclasses.replace(wrong, tol=1e-2)).status == "PASS"
 
 
 def test_check_fails_with_exit_code_1_when_a_kernel_is_wrong(monkeypatch):
