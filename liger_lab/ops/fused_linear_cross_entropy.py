@@ -25,7 +25,8 @@ three matmuls near peak; smaller chunks cost less memory. At N = 8192, H = 4096,
 itself is 1002 MiB and the default 240 MiB budget gives C = 960 with ``in_place_backward`` (235 MiB of
 logits, 9 chunks) and C = 704 without (172 MiB, plus 64 MiB for dh): about 1.21 GiB above the inputs
 either way. Measured on an H200 (benchmarks/notes/fused_linear_cross_entropy.md), 960 tokens per chunk
-take 39.5 ms where 768 take 41.8.
+take 39.5 ms where 768 take 41.8. A patched model's loss bounds its chunk further, by the size of its hidden
+states (:func:`chunk_tokens_in_model`): in a training step the chunk adds to every activation alive.
 
 **Accumulating dW.** ``accumulation`` picks the dtype of the running dW sum (module default
 :data:`ACCUMULATION`):
