@@ -335,16 +335,20 @@ def build_model(config: PretrainedConfig, *, dtype: torch.dtype | None = None, s
 FUSED = dict(rope=True, rms_norm=True, fused_linear_cross_entropy=True, cross_entropy=False)
 
 
-def apply_mode(model: torch.nn.Module, mode: str, *, compile_backend: str = "inductor") -> torch.nn.Module:
+def apply_mode(
+    model: torch.nn.Module, mode: str, *, compile_backend: str = "inductor", loss_chunk_tokens: int | None = None
+) -> torch.nn.Module:
     """Swap in the kernels of ``mode`` (this changes module-level functions of transformers: one mode
     per process); for a ``+compile`` mode, then compile the model in place (``model.compile``, so
     ``model(...)`` runs the compiled forward and the optimizer keeps the same parameters). Returns the
-    model."""
+    model. ``loss_chunk_tokens``: :func:`liger_lab.patch`'s, for the liger_lab modes."""
     if mode not in MODES:
         raise ValueError(f"mode is {mode!r}: expected one of {MODES}")
     base = base_mode(mode)
+    if loss_chunk_tokens is not None and base != "liger_lab":
+        raise ValueError(f"loss_chunk_tokens is liger_lab's option: expected None in mode {mode!r}")
     if base == "liger_lab":
-        liger_lab.patch(model, **FUSED, swiglu=True)
+        liger_lab.patch(model, **FUSED, swiglu=True, loss_chunk_tokens=loss_chunk_tokens)
     elif base == "liger":
         import liger_kernel.transformers
 
@@ -418,6 +422,7 @@ def train(
     lr: float = 1e-4,
     seed: int = 0,
     compile_backend: str = "inductor",
+    loss_chunk_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` timed steps after ``warmup`` untimed ones; return one result row.
 
@@ -430,7 +435,8 @@ def train(
     A ``+compile`` mode always has at least one warm-up step, so compilation is never timed; its row
     also says how many graphs were compiled (``graphs``), how many of them during the timed steps
     (``timed_compiles``: a recompile there would make tokens/s wrong) and the graph breaks.
-    ``compile_backend`` is torch.compile's backend (``"aot_eager"`` skips code generation).
+    ``compile_backend`` is torch.compile's backend (``"aot_eager"`` skips code generation);
+    ``loss_chunk_tokens`` is :func:`liger_lab.patch`'s (liger_lab modes).
 
     Patching reaches beyond the model (RoPE is a module-level function of transformers): for any mode
     but ``"hf"``, call this in a fresh process (:func:`run_isolated`).
@@ -450,7 +456,7 @@ def train(
     compile_s = None
     try:
         model = build_model(config, dtype=dtype, seed=seed)
-        apply_mode(model, mode, compile_backend=compile_backend)
+        apply_mode(model, mode, compile_backend=compile_backend, loss_chunk_tokens=loss_chunk_tokens)
         optimizer = _optimizer(model, lr)
         tokens = _batch(config, batch, seq, seed)
         _reset_peak()

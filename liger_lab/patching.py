@@ -447,8 +447,11 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
-def _causal_lm_forward(original: Callable[..., Any], *, fused: bool, cross_entropy: bool) -> Callable[..., Any]:
-    """Wrap a transformers ``...ForCausalLM.forward`` so the loss runs on liger_lab's kernels.
+def _causal_lm_forward(
+    original: Callable[..., Any], *, fused: bool, cross_entropy: bool, chunk_tokens: int | None
+) -> Callable[..., Any]:
+    """Wrap a transformers ``...ForCausalLM.forward`` so the loss runs on liger_lab's kernels (the fused loss
+    ``chunk_tokens`` at a time; None: :func:`~liger_lab.ops.fused_linear_cross_entropy.chunk_tokens_in_model`).
 
     ``skip_logits`` (keyword only, not in transformers) chooses explicitly: True computes the fused loss
     without logits, False returns logits; by default the fused loss runs when training with labels.
@@ -475,24 +478,26 @@ def _causal_lm_forward(original: Callable[..., Any], *, fused: bool, cross_entro
         arguments = dict(bound.arguments)
         del arguments[next(iter(signature.parameters))]  # self
         extra = arguments.pop(var_keyword, {}) if var_keyword else {}
-        return _loss_forward(self, arguments, extra, fused=use_fused)
+        return _loss_forward(self, arguments, extra, fused=use_fused, chunk_tokens=chunk_tokens)
 
     forward.liger_lab_patched = True
     forward.liger_lab_fused = fused
     return forward
 
 
-_LOSS_FORWARDS: dict[tuple[str, bool, bool], Callable[..., Any]] = {}
+_LOSS_FORWARDS: dict[tuple[str, bool, bool, int | None], Callable[..., Any]] = {}
 
 
-def _loss_forward_of(model_type: str, fused: bool, cross_entropy: bool) -> Callable[..., Any]:
+def _loss_forward_of(model_type: str, fused: bool, cross_entropy: bool, chunk_tokens: int | None) -> Callable[..., Any]:
     """The family's ``...ForCausalLM.forward`` wrapped by :func:`_causal_lm_forward` (one per choice). A
     plain dict, not ``functools.cache``: torch.compile traces a dict lookup, but warns on a cache wrapper."""
-    key = (model_type, fused, cross_entropy)
+    key = (model_type, fused, cross_entropy, chunk_tokens)
     if key not in _LOSS_FORWARDS:
         family, modeling = _family(model_type), _modeling(model_type)
         original = _original(_causal_lm(family, modeling), "forward")
-        _LOSS_FORWARDS[key] = _causal_lm_forward(original, fused=fused, cross_entropy=cross_entropy)
+        _LOSS_FORWARDS[key] = _causal_lm_forward(
+            original, fused=fused, cross_entropy=cross_entropy, chunk_tokens=chunk_tokens
+        )
     return _LOSS_FORWARDS[key]
 
 
@@ -506,11 +511,14 @@ class _BoundForward:
     dataset columns). Unlike a bound method of a function made at patch time, it pickles and deep-copies:
     as the model and the options that choose the function."""
 
-    def __init__(self, model: nn.Module, model_type: str, *, fused: bool, cross_entropy: bool) -> None:
+    def __init__(
+        self, model: nn.Module, model_type: str, *, fused: bool, cross_entropy: bool, chunk_tokens: int | None
+    ) -> None:
         self.__self__ = model
         self.model_type = model_type
         self.fused = fused
         self.cross_entropy = cross_entropy
+        self.chunk_tokens = chunk_tokens
         self._make_function()
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # unpickled or deep-copied
@@ -520,11 +528,11 @@ class _BoundForward:
     def _make_function(self) -> None:
         # Made here, outside any call: torch.compile then traces only the lookup of a function that exists
         # (tracing its first construction, which reads the swap registry, has failed inside Dynamo).
-        _loss_forward_of(self.model_type, self.fused, self.cross_entropy)
+        _loss_forward_of(self.model_type, self.fused, self.cross_entropy, self.chunk_tokens)
 
     @property
     def __func__(self) -> Callable[..., Any]:
-        return _loss_forward_of(self.model_type, self.fused, self.cross_entropy)
+        return _loss_forward_of(self.model_type, self.fused, self.cross_entropy, self.chunk_tokens)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -668,7 +676,9 @@ def _as_forward_of(module: nn.Module, compute: Callable[[torch.Tensor], torch.Te
         del module.forward
 
 
-def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, Any], *, fused: bool):
+def _loss_forward(
+    self: nn.Module, arguments: dict[str, Any], extra: dict[str, Any], *, fused: bool, chunk_tokens: int | None
+):
     """transformers' causal-LM forward with the loss computed by liger_lab's kernels."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -711,7 +721,7 @@ def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, A
                 hidden, weight = hidden.to(dtype), weight.to(dtype)
                 bias = None if bias is None else bias.to(dtype)
             # The loss's chunk sits on top of every activation of the step: bounded by the hidden states.
-            chunk_tokens = flce_ops.chunk_tokens_in_model(*hidden.shape, weight.shape[0], hidden.dtype)
+            chunk = chunk_tokens or flce_ops.chunk_tokens_in_model(*hidden.shape, weight.shape[0], hidden.dtype)
             if lora is not None:
                 hidden, weight = lora.widen(lora_input, hidden, weight)
             return flce_ops.fused_linear_cross_entropy(
@@ -722,7 +732,7 @@ def _loss_forward(self: nn.Module, arguments: dict[str, Any], extra: dict[str, A
                 ignore_index=ignore_index,
                 reduction=reduction,
                 softcap=softcap,
-                chunk_tokens=chunk_tokens,
+                chunk_tokens=chunk,
                 loss_dtype=torch.float32,
                 # The final norm's output is read by this loss alone, unless the caller asked for the hidden
                 # states (they include it): then it must stay intact. A LoRA head's concatenation is the loss's
@@ -770,6 +780,7 @@ class _Options:
     swiglu: bool
     cross_entropy: bool
     fused_linear_cross_entropy: bool
+    loss_chunk_tokens: int | None
 
     @property
     def loss(self) -> bool:
@@ -784,6 +795,7 @@ def patch(
     swiglu: bool = True,
     cross_entropy: bool = False,
     fused_linear_cross_entropy: bool = True,
+    loss_chunk_tokens: int | None = None,
 ) -> _M:
     """Run a transformers model (or every model of a family built from now on) on liger_lab's kernels.
 
@@ -793,9 +805,16 @@ def patch(
     Gemma) and the SiLU experts of a mixture of experts run by transformers' eager loop.
     ``fused_linear_cross_entropy`` computes the training loss without logits;
     ``cross_entropy`` computes the loss from logits with the fused cross-entropy kernel whenever logits
-    are returned with labels. Patching again replaces the previous patch. Returns its argument.
+    are returned with labels. ``loss_chunk_tokens`` sets the fused loss's chunk in tokens; by default it is
+    bounded by two hidden states' bytes of logits, because in a training step the chunk adds to every activation
+    alive (:func:`liger_lab.ops.fused_linear_cross_entropy.chunk_tokens_in_model`): a larger chunk trades
+    memory for the loss's speed. Patching again replaces the previous patch. Returns its argument.
     """
-    options = _Options(rms_norm, rope, swiglu, cross_entropy, fused_linear_cross_entropy)
+    if loss_chunk_tokens is not None and (
+        isinstance(loss_chunk_tokens, bool) or not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1
+    ):
+        raise ValueError(f"loss_chunk_tokens is {loss_chunk_tokens!r}: expected a positive number of tokens or None")
+    options = _Options(rms_norm, rope, swiglu, cross_entropy, fused_linear_cross_entropy, loss_chunk_tokens)
     if isinstance(model_or_model_type, str):
         _unpatch_family(model_or_model_type)
         _patch_family(model_or_model_type, options)
@@ -936,7 +955,9 @@ def _patch_family(model_type: str, options: _Options) -> None:
     if options.rope and family.rope:
         replacements.append((modeling, "apply_rotary_pos_emb", _rope_dispatcher(modeling)))
     if options.loss:
-        forward = _loss_forward_of(model_type, options.fused_linear_cross_entropy, options.cross_entropy)
+        forward = _loss_forward_of(
+            model_type, options.fused_linear_cross_entropy, options.cross_entropy, options.loss_chunk_tokens
+        )
         replacements.append((_causal_lm(family, modeling), "forward", forward))
     for owner, name, replacement in replacements:
         _hold(owner, name, replacement, record)
@@ -977,8 +998,9 @@ def _patch_model(model: nn.Module, options: _Options) -> None:
     # A subclass with its own forward, or a family patched at class level, keeps the forward it has.
     if options.loss and isinstance(model, causal_lm) and type(model).forward is _original(causal_lm, "forward"):
         model.forward = _BoundForward(
-            model, model_type, fused=options.fused_linear_cross_entropy, cross_entropy=options.cross_entropy
-        )
+            model, model_type, fused=options.fused_linear_cross_entropy, cross_entropy=options.cross_entropy,
+            chunk_tokens=options.loss_chunk_tokens,
+        )  # fmt: skip
 
 
 def _unpatch_model(model: nn.Module) -> None:

@@ -163,6 +163,7 @@ def test_breakdown_table_lists_every_part(design):
         (lambda c: e2e.parse_shape("0x2048"), "positive"),
         (lambda c: e2e.train("hf", c, 1, 8, steps=0), "steps"),
         (lambda c: e2e.apply_mode(torch.nn.Linear(1, 1), "deepspeed"), "expected one of"),
+        (lambda c: e2e.apply_mode(torch.nn.Linear(1, 1), "liger", loss_chunk_tokens=64), "liger_lab's option"),
     ],
 )
 def test_bad_input_is_a_value_error(tiny, call, message):

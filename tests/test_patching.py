@@ -388,21 +388,58 @@ def fused_calls(monkeypatch):
     return calls
 
 
-def test_the_models_loss_chunk_is_bounded_by_its_hidden_states(monkeypatch):
-    model = liger_lab.patch(tiny_model("llama"))
+@pytest.fixture
+def loss_chunks(monkeypatch):
+    """The ``chunk_tokens`` of every call of the fused linear cross-entropy, in order."""
     chunks = []
     fused = patching.flce_ops.fused_linear_cross_entropy
-    monkeypatch.setattr(
-        patching.flce_ops,
-        "fused_linear_cross_entropy",
-        lambda *a, **k: chunks.append(k["chunk_tokens"]) or fused(*a, **k),
-    )
+
+    def recording(*args, **kwargs):
+        chunks.append(kwargs["chunk_tokens"])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(patching.flce_ops, "fused_linear_cross_entropy", recording)
+    return chunks
+
+
+def train_step_loss(model) -> torch.Tensor:
+    torch.manual_seed(0)
     input_ids = torch.randint(0, model.config.vocab_size, (2, 48), device=runtime.DEVICE)
-    model(input_ids=input_ids, labels=input_ids).loss.backward()
-    dtype = model.lm_head.weight.dtype
-    expected = patching.flce_ops.chunk_tokens_in_model(2 * 48, model.config.hidden_size, model.config.vocab_size, dtype)
-    assert chunks == [expected]
-    assert expected < patching.flce_ops.chunk_tokens_for(2 * 48, model.config.vocab_size, dtype)  # the model's bound
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    return loss.detach()
+
+
+def test_the_models_loss_chunk_is_bounded_by_its_hidden_states(loss_chunks):
+    model = liger_lab.patch(tiny_model("llama"))
+    train_step_loss(model)
+    dtype, vocab = model.lm_head.weight.dtype, model.config.vocab_size
+    expected = patching.flce_ops.chunk_tokens_in_model(2 * 48, model.config.hidden_size, vocab, dtype)
+    assert loss_chunks == [expected]
+    assert expected < patching.flce_ops.chunk_tokens_for(2 * 48, vocab, dtype)  # the model's bound is the smaller
+
+
+def test_loss_chunk_tokens_sets_the_chunk_and_keeps_the_loss(loss_chunks):
+    reference = tiny_model("llama")
+    default = train_step_loss(liger_lab.patch(copy.deepcopy(reference)))
+    chunked = liger_lab.patch(copy.deepcopy(reference), loss_chunk_tokens=16)
+    assert torch.allclose(train_step_loss(chunked), default, rtol=1e-5)
+    assert train_step_loss(copy.deepcopy(chunked)) is not None  # a copy keeps its options
+    assert loss_chunks[1:] == [16, 16]
+    try:  # the same option when the family is patched
+        liger_lab.patch("llama", loss_chunk_tokens=24)
+        train_step_loss(tiny_model("llama"))
+        assert loss_chunks[-1] == 24
+    finally:
+        liger_lab.unpatch("llama")
+
+
+@pytest.mark.parametrize("bad", [0, -64, 1.5, True, "64"])
+def test_loss_chunk_tokens_must_be_a_positive_count(bad):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="loss_chunk_tokens"):
+        liger_lab.patch(model, loss_chunk_tokens=bad)
+    assert patching.report(model).replaced == {}  # nothing was patched
 
 
 def fallback_warnings(record) -> list[str]:

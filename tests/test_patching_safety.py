@@ -53,7 +53,7 @@ def rope_is_swapped(modeling) -> bool:
 
 def test_fused_classes_are_found_by_name():
     """What pickle does with the class of a patched module, for every family and piece."""
-    everything = patching._Options(True, True, True, False, True)
+    everything = patching._Options(True, True, True, False, True, None)
     for model_type, family in patching.FAMILIES.items():
         classes = patching._fused_classes(family, patching._modeling(model_type), everything)
         assert len(classes) == len(family.pieces)
