@@ -810,10 +810,7 @@ def patch(
     alive (:func:`liger_lab.ops.fused_linear_cross_entropy.chunk_tokens_in_model`): a larger chunk trades
     memory for the loss's speed. Patching again replaces the previous patch. Returns its argument.
     """
-    if loss_chunk_tokens is not None and (
-        isinstance(loss_chunk_tokens, bool) or not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1
-    ):
-        raise ValueError(f"loss_chunk_tokens is {loss_chunk_tokens!r}: expected a positive number of tokens or None")
+    flce_ops.check_chunk_options("loss_chunk_tokens", loss_chunk_tokens, accumulation=None)
     options = _Options(rms_norm, rope, swiglu, cross_entropy, fused_linear_cross_entropy, loss_chunk_tokens)
     if isinstance(model_or_model_type, str):
         _unpatch_family(model_or_model_type)
