@@ -379,27 +379,16 @@ def lora_model(model_type: str = "llama", *, target_modules=("q_proj", "v_proj",
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """The number of calls of the fused linear cross-entropy, counted."""
+    """The calls of the fused linear cross-entropy, each recorded as the ``chunk_tokens`` it was given (the list's
+    length counts them)."""
     calls = []
     fused = patching.flce_ops.fused_linear_cross_entropy
     monkeypatch.setattr(
-        patching.flce_ops, "fused_linear_cross_entropy", lambda *a, **k: calls.append(1) or fused(*a, **k)
+        patching.flce_ops,
+        "fused_linear_cross_entropy",
+        lambda *a, **k: calls.append(k.get("chunk_tokens")) or fused(*a, **k),
     )
     return calls
-
-
-@pytest.fixture
-def loss_chunks(monkeypatch):
-    """The ``chunk_tokens`` of every call of the fused linear cross-entropy, in order."""
-    chunks = []
-    fused = patching.flce_ops.fused_linear_cross_entropy
-
-    def recording(*args, **kwargs):
-        chunks.append(kwargs["chunk_tokens"])
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(patching.flce_ops, "fused_linear_cross_entropy", recording)
-    return chunks
 
 
 def train_step_loss(model) -> torch.Tensor:
@@ -410,26 +399,26 @@ def train_step_loss(model) -> torch.Tensor:
     return loss.detach()
 
 
-def test_the_models_loss_chunk_is_bounded_by_its_hidden_states(loss_chunks):
+def test_the_models_loss_chunk_is_bounded_by_its_hidden_states(fused_calls):
     model = liger_lab.patch(tiny_model("llama"))
     train_step_loss(model)
     dtype, vocab = model.lm_head.weight.dtype, model.config.vocab_size
     expected = patching.flce_ops.chunk_tokens_in_model(2 * 48, model.config.hidden_size, vocab, dtype)
-    assert loss_chunks == [expected]
+    assert fused_calls == [expected]
     assert expected < patching.flce_ops.chunk_tokens_for(2 * 48, vocab, dtype)  # the model's bound is the smaller
 
 
-def test_loss_chunk_tokens_sets_the_chunk_and_keeps_the_loss(loss_chunks):
+def test_loss_chunk_tokens_sets_the_chunk_and_keeps_the_loss(fused_calls):
     reference = tiny_model("llama")
     default = train_step_loss(liger_lab.patch(copy.deepcopy(reference)))
     chunked = liger_lab.patch(copy.deepcopy(reference), loss_chunk_tokens=16)
     assert torch.allclose(train_step_loss(chunked), default, rtol=1e-5)
     assert train_step_loss(copy.deepcopy(chunked)) is not None  # a copy keeps its options
-    assert loss_chunks[1:] == [16, 16]
+    assert fused_calls[1:] == [16, 16]
     try:  # the same option when the family is patched
         liger_lab.patch("llama", loss_chunk_tokens=24)
         train_step_loss(tiny_model("llama"))
-        assert loss_chunks[-1] == 24
+        assert fused_calls[-1] == 24
     finally:
         liger_lab.unpatch("llama")
 
