@@ -10,7 +10,7 @@ At each op's DESIGN.md shape in bf16, what varies:
   (:class:`liger_lab.runtime.RowLaunch`), each kernel timed alone;
 - cross_entropy: the streaming tile, columns per step and warps (a ``RowLaunch`` too), loss and gradient in one
   kernel;
-- rope: heads and positions per step, head groups and warps (:class:`liger_lab.ops.rope.RopeTile`), forward+backward;
+- rope: rows (one head of one position) per program and warps (:class:`liger_lab.ops.rope.RopeTile`), forward+backward;
 - glu (SwiGLU's kernels): block and warps (:class:`liger_lab.runtime.ElementwiseLaunch`), forward+backward.
 
 Every setting's output is first compared with the default's (a setting that computes something else is reported
@@ -26,7 +26,7 @@ import argparse
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -54,8 +54,8 @@ class Settings:
     """(rows per tile, warps, programs per SM, tiles in flight per program)"""
     streaming: tuple[tuple[int, int, int], ...]
     """(columns per step, rows per program, warps)"""
-    rope: tuple[tuple[int, int, int, int], ...]
-    """(heads per step, positions per step, head groups, warps; 0: the tile's own choice)"""
+    rope: tuple[tuple[int, int], ...]
+    """(rows per program, warps)"""
     elementwise: tuple[tuple[int, int], ...]
     """(block, warps)"""
 
@@ -64,7 +64,7 @@ GPU_SETTINGS = Settings(
     norm_forward=tuple(itertools.product((1, 2, 4), (4, 8))),
     norm_backward=tuple(itertools.product((1, 2, 4), (4, 8, 16), (1, 2), (3, 4))),
     streaming=tuple(itertools.product((2048, 4096, 8192, 16384, 32768), (1,), (4, 8, 16, 32))),
-    rope=tuple(itertools.product((1, 2, 4), (4, 8, 16), (1,), (0, 1, 4))),
+    rope=tuple(itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8))),
     elementwise=tuple(itertools.product((1024, 2048, 4096, 8192, 16384), (4, 8, 16))),
 )
 # The interpreter ignores warps and pays per program: one setting besides the default, with few programs.
@@ -72,7 +72,7 @@ QUICK_SETTINGS = Settings(
     norm_forward=((8, 1),),
     norm_backward=((8, 1, 2, 2),),
     streaming=((256, 16, 1),),
-    rope=((2, 8, 2, 0),),
+    rope=((4, 1),),
     elementwise=((1024, 1),),
 )
 
@@ -202,7 +202,7 @@ def cross_entropy_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> 
 
 def rope_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> list[Case]:
     shape, (q, k, cos, sin) = table_inputs("rope", quick, dtype)
-    batch, q_heads, k_heads, seq_len, head_dim = shape
+    head_dim = shape[-1]
     dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
 
     def launch_with(tile: rope.RopeTile) -> tuple[torch.Tensor, ...]:
@@ -211,21 +211,12 @@ def rope_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> list[Case
         rope.rope_rotate(dq_out, dk_out, cos, sin, dq, dk, backward=True, tile=tile)
         return q_out, k_out, dq, dk
 
-    def tile(**overrides: int) -> rope.RopeTile:
-        return rope.rope_tile(batch, seq_len, q_heads, k_heads, head_dim, **overrides)
-
-    def with_warps(tile: rope.RopeTile, warps: int) -> rope.RopeTile:
-        return replace(tile, num_warps=warps) if warps else tile
-
     tiles = [
-        (
-            f"block_h={h} block_t={t} groups={groups} warps={warps or 'auto'}",
-            with_warps(tile(block_h=h, block_t=t, n_groups=groups), warps),
-        )
-        for h, t, groups, warps in settings.rope
+        (f"block_r={rows} warps={warps}", rope.rope_tile(head_dim, block_r=rows, num_warps=warps))
+        for rows, warps in settings.rope
     ]
     min_bytes = _bytes("rope", shape, TABLE["rope"].full_passes, dtype)
-    return setting_cases("rope", "forward+backward", launch_with, tile(), tiles, min_bytes)
+    return setting_cases("rope", "forward+backward", launch_with, rope.rope_tile(head_dim), tiles, min_bytes)
 
 
 def glu_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> list[Case]:

@@ -183,6 +183,18 @@ def streaming_row_launch(n_rows: int, n_cols: int, *, gpu_tile: int = _GPU_MAX_T
     return RowLaunch(block_n, rows, num_warps, max(1, triton.cdiv(n_rows, rows)))
 
 
+def column_sum_launch(n_rows: int, n_cols: int) -> RowLaunch:
+    """Tile for summing a few hundred rows of fp32 partials down their columns (the norms' dw, db): ``rows`` rows
+    by ``block_n`` columns a step, one program per strip of columns. On the GPU a strip of 16 columns under 4
+    warps takes all of an SM count's rows in one step, so each program waits on memory once: that measured
+    fastest on an H200 (2 us for 132 x 8192; benchmarks/notes/layer_norm.md)."""
+    if INTERPRET:
+        block_n = min(triton.next_power_of_2(max(n_cols, 1)), 2**16)
+        rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, 2**18 // block_n))
+        return RowLaunch(block_n, rows, 1, triton.cdiv(n_cols, block_n))
+    return RowLaunch(16, min(triton.next_power_of_2(max(n_rows, 1)), 256), 4, triton.cdiv(n_cols, 16))
+
+
 class ElementwiseLaunch(NamedTuple):
     """How a flat elementwise kernel splits n elements: blocks of ``block``, one per program. A tuple, so
     ``block, num_warps, grid = elementwise_launch(n)`` unpacks it."""

@@ -98,13 +98,18 @@ def test_other_strides(layout):
 
 
 @pytest.mark.parametrize("backward", [False, True])
-@pytest.mark.parametrize("block_h,block_t,n_groups", [(2, 4, 3), (4, 2, 2), (1, 8, 7), (8, 1, 1)])
-def test_every_tiling_gives_the_same_result(block_h, block_t, n_groups, backward):
-    # The GPU's tiling (several head steps, head groups, partial tiles) differs from the interpreter's
-    # default one-step tiles: force it here so the CPU run covers those paths too.
-    q, k = randn(2, 7, 11, 48), randn(2, 3, 11, 48)
+@pytest.mark.parametrize("heads_inner", [False, True], ids=["BHTD-memory", "BTHD-memory"])
+@pytest.mark.parametrize("block_r,num_warps", [(1, 1), (4, 1), (16, 2), (64, 4)])
+def test_every_tiling_gives_the_same_result(block_r, num_warps, heads_inner, backward):
+    # The GPU's tiles (a few rows a program, so many programs and a partial last one for q and for k) differ from
+    # the interpreter's default (one program for all rows): force them here so the CPU run covers those paths,
+    # in both row orders.
+    if heads_inner:
+        q, k = randn(2, 11, 7, 48).transpose(1, 2), randn(2, 11, 3, 48).transpose(1, 2)
+    else:
+        q, k = randn(2, 7, 11, 48), randn(2, 3, 11, 48)
     cos, sin = random_tables(2, 11, 48)
-    tile = rope_tile(2, 11, 7, 3, 48, block_h=block_h, block_t=block_t, n_groups=n_groups)
+    tile = rope_tile(48, block_r=block_r, num_warps=num_warps)
     q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
     rope_rotate(q, k, cos, sin, q_out, k_out, backward=backward, tile=tile)
     if backward:  # the transposed rotation applied to (q, k): what autograd of the reference computes

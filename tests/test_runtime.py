@@ -93,3 +93,37 @@ def test_kernel_sum_clock():
     times = runtime.kernel_times_ms(lambda: x * 2, calls=3)
     assert times and all(ms > 0 for ms in times.values())
     assert 0 < runtime.measure_kernel_sum_ms(lambda: x * 2, calls=3) < 10 * sum(times.values())
+
+
+@pytest.mark.parametrize("n_rows,n_cols", [(1, 1), (132, 8192), (300, 100)])
+def test_column_sum_strips_cover_every_column_and_row(monkeypatch, n_rows, n_cols):
+    monkeypatch.setattr(runtime, "INTERPRET", False)
+    launch = runtime.column_sum_launch(n_rows, n_cols)
+    assert launch.grid * launch.block_n >= n_cols > (launch.grid - 1) * launch.block_n
+    assert launch.rows >= min(n_rows, 256)  # an SM count's partial rows in one step
+
+
+@pytest.mark.parametrize("outputs", [1, 2])
+@pytest.mark.parametrize("n_programs,n_cols", [(1, 7), (37, 5000), (4, 4096)])
+def test_sum_partials_adds_each_column_in_one_launch(outputs, n_programs, n_cols):
+    from liger_lab.ops.common import sum_partials
+
+    # 37 programs of 10000 columns take several steps of rows in the interpreter: the loop and its masks run.
+    partials = torch.randn(n_programs, outputs * n_cols, dtype=torch.float64).float().to(runtime.DEVICE)
+    sums = sum_partials(partials, torch.bfloat16, outputs=outputs)
+    expected = partials.double().sum(0).view(outputs, n_cols)
+    assert len(sums) == outputs
+    for got, want in zip(sums, expected, strict=True):
+        assert got.dtype == torch.bfloat16 and got.shape == (n_cols,)
+        # One bf16 rounding of an fp32 sum: within a unit in the last place (the interpreter truncates where
+        # the GPU rounds to nearest), plus the fp32 sum's own error.
+        torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-5)
+
+
+def test_sum_partials_rejects_a_shape_it_cannot_split():
+    from liger_lab.ops.common import sum_partials
+
+    with pytest.raises(ValueError, match="outputs"):
+        sum_partials(torch.zeros(3, 5, device=runtime.DEVICE), torch.float32, outputs=2)
+    with pytest.raises(ValueError, match="outputs"):
+        sum_partials(torch.zeros(3, 8, device=runtime.DEVICE)[:, ::2], torch.float32)

@@ -178,7 +178,7 @@ def layer_norm_backward(
         dy, dy.stride(0), x, x.stride(0), weight, mean, rstd, dx, dx.stride(0), partials, n_rows, n_cols,
         ROWS=launch.rows, BLOCK_N=launch.block_n, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
     )  # fmt: skip
-    return dx, sum_partials(partials[:, :n_cols], weight.dtype), sum_partials(partials[:, n_cols:], weight.dtype)
+    return dx, *sum_partials(partials, weight.dtype, outputs=2)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -232,7 +232,8 @@ def rms_norm_backward(
         ds_ptr=ds, ds_row_stride=0 if ds is None else ds.stride(0), HAS_DS=ds is not None,
         num_warps=launch.num_warps,
     )  # fmt: skip
-    return dx, sum_partials(dw_partial, weight.dtype)
+    (dw,) = sum_partials(dw_partial, weight.dtype)
+    return dx, dw
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,11 +16,13 @@ which is the forward with (s1, s2) replaced by (-s2, -s1): with Hugging Face's c
 the rotation by -angle. One kernel serves both directions.
 
 Bytes: every q/k element is read once and written once (forward 4 bytes per element in bf16, forward +
-backward 8). cos and sin, shared by all heads of a position, are loaded once per program and kept in
-registers while the program walks over the q heads and then the k heads of its positions, so their
-traffic is a small fraction of the q/k traffic. q and k are read through their strides: Hugging Face hands
-them over as transposed views ``(B, T, H, D) -> (B, H, T, D)``, and copying them to contiguous memory first
-would double the bytes. Outputs keep the memory layout of their inputs.
+backward 8). The kernel sees q and k as rows, one head of one position each (head_dim elements), and each
+program rotates a run of consecutive rows in the order they lie in memory: (batch, head, position) for a
+contiguous (B, H, T, D) tensor, (batch, position, head) for the transposed ``(B, T, H, D) -> (B, H, T, D)`` views
+Hugging Face hands over. So a program streams one contiguous stretch of q or k, as a copy would, and reads the
+cos/sin row of each position it meets; the tables are a few MiB, read from L2 after their first use, so they cost
+L2 traffic, not HBM bytes. q and k are read through their strides (copying a transposed view to contiguous
+memory first would double the bytes), and outputs keep the memory layout of their inputs.
 """
 
 from __future__ import annotations
@@ -34,39 +36,51 @@ import triton.language as tl
 from liger_lab import reference, runtime
 from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape
 
-# Elements of one half-tile (heads x positions x D/2) per loop step on the GPU, and the heads among them: 2 heads
-# x 4 positions under one warp measured fastest on an H200 (0.92x the time of 4 heads x 16 positions under 8
-# warps; benchmarks/notes/rope.md), presumably because more resident programs per SM keep more loads in flight.
-_GPU_STEP_ELEMENTS = 512
-_GPU_HEADS_PER_STEP = 2
-_CPU_STEP_ELEMENTS = 65536
-_PROGRAMS_PER_SM = 4
+# Half-row elements (rows x head_dim / 2) per program on the GPU, and a warp per _GPU_WARP_ELEMENTS of them:
+# 16 rows of head_dim 128 under 2 warps measured fastest on an H200, at the speed of torch's copy of the same
+# bytes (benchmarks/notes/rope.md). The interpreter pays per program, not per element: few big programs.
+_GPU_PROGRAM_ELEMENTS = 1024
+_GPU_WARP_ELEMENTS = 512
+_CPU_PROGRAM_ELEMENTS = 65536
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr, x_head_stride, x_seq_stride, x_dim_stride,
-    y_ptr, y_head_stride, y_seq_stride, y_dim_stride,
-    head_start, head_end, pos, pos_mask, cols, col_mask, c1, c2, s1, s2,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+def _rotate_rows(
+    x_ptr, x_batch_stride, x_head_stride, x_seq_stride, x_dim_stride,
+    y_ptr, y_batch_stride, y_head_stride, y_seq_stride, y_dim_stride,
+    cos_ptr, cos_batch_stride, cos_seq_stride, cos_dim_stride,
+    sin_ptr, sin_batch_stride, sin_seq_stride, sin_dim_stride,
+    first_row, n_rows, n_heads, seq_len,
+    BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Rotate heads [head_start, head_end) of one batch element at positions ``pos``, BLOCK_H heads a step.
+    """Rotate rows [first_row, first_row + BLOCK_R) of one tensor (q or k), rows counted in memory order."""
+    rows = first_row + tl.arange(0, BLOCK_R)
+    if HEADS_INNER:  # (B, T, H, D) memory: the heads of a position are neighbours
+        head, pos = rows % n_heads, (rows // n_heads) % seq_len
+    else:  # (B, H, T, D) memory: the positions of a head are neighbours
+        head, pos = (rows // seq_len) % n_heads, rows % seq_len
+    batch = (rows // (n_heads * seq_len)).to(tl.int64)[:, None]
+    head, pos = head.to(tl.int64)[:, None], pos.to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (rows < n_rows)[:, None] & (cols < HALF)
 
-    x_ptr and y_ptr already point at the batch element; c1, c2, s1, s2 are fp32 (1, BLOCK_T, BLOCK_D).
-    """
-    x_pos = pos[None, :, None] * x_seq_stride + cols[None, None, :] * x_dim_stride
-    y_pos = pos[None, :, None] * y_seq_stride + cols[None, None, :] * y_dim_stride
-    tile_mask = pos_mask[None, :, None] & col_mask[None, None, :]
-    for first in range(head_start, head_end, BLOCK_H):
-        heads = first + tl.arange(0, BLOCK_H)
-        mask = (heads < head_end)[:, None, None] & tile_mask
-        heads64 = heads.to(tl.int64)[:, None, None]
-        x_lo = x_ptr + heads64 * x_head_stride + x_pos
-        y_lo = y_ptr + heads64 * y_head_stride + y_pos
-        x1 = tl.load(x_lo, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_lo + HALF * x_dim_stride, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_lo, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_lo + HALF * y_dim_stride, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
+    cos_lo = cos_ptr + batch * cos_batch_stride + pos * cos_seq_stride + cols * cos_dim_stride
+    sin_lo = sin_ptr + batch * sin_batch_stride + pos * sin_seq_stride + cols * sin_dim_stride
+    c1 = tl.load(cos_lo, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_lo + HALF * cos_dim_stride, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_lo, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_lo + HALF * sin_dim_stride, mask=mask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        # The transpose of [[c1, -s1], [s2, c2]] is [[c1, s2], [-s1, c2]]: the forward with (-s2, -s1).
+        s1, s2 = -s2, -s1
+
+    x_lo = x_ptr + batch * x_batch_stride + head * x_head_stride + pos * x_seq_stride + cols * x_dim_stride
+    y_lo = y_ptr + batch * y_batch_stride + head * y_head_stride + pos * y_seq_stride + cols * y_dim_stride
+    x1 = tl.load(x_lo, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_lo + HALF * x_dim_stride, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_lo, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_lo + HALF * y_dim_stride, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -77,101 +91,52 @@ def _rope_kernel(
     ko_ptr, ko_batch_stride, ko_head_stride, ko_seq_stride, ko_dim_stride,
     cos_ptr, cos_batch_stride, cos_seq_stride, cos_dim_stride,
     sin_ptr, sin_batch_stride, sin_seq_stride, sin_dim_stride,
-    seq_len, n_q_heads, n_k_heads, q_heads_per_group, k_heads_per_group, n_pos_tiles,
-    HALF: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    batch, seq_len, n_q_heads, n_k_heads,
+    BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    # Program (batch element, tile of BLOCK_T positions) x (group of heads); one group unless B*T is small.
-    tile = tl.program_id(0)
-    group = tl.program_id(1)
-    batch = (tile // n_pos_tiles).to(tl.int64)
-    pos = (tile % n_pos_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
-    pos_mask = pos < seq_len
-    pos = pos.to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    col_mask = cols < HALF
-
-    # cos and sin of these positions: loaded once, reused for every q and k head below.
-    cs_mask = pos_mask[:, None] & col_mask[None, :]
-    cos_lo = cos_ptr + batch * cos_batch_stride + pos[:, None] * cos_seq_stride + cols[None, :] * cos_dim_stride
-    sin_lo = sin_ptr + batch * sin_batch_stride + pos[:, None] * sin_seq_stride + cols[None, :] * sin_dim_stride
-    c1 = tl.load(cos_lo, mask=cs_mask, other=0.0).to(tl.float32)[None, :, :]
-    c2 = tl.load(cos_lo + HALF * cos_dim_stride, mask=cs_mask, other=0.0).to(tl.float32)[None, :, :]
-    s1 = tl.load(sin_lo, mask=cs_mask, other=0.0).to(tl.float32)[None, :, :]
-    s2 = tl.load(sin_lo + HALF * sin_dim_stride, mask=cs_mask, other=0.0).to(tl.float32)[None, :, :]
-    if BACKWARD:
-        # The transpose of [[c1, -s1], [s2, c2]] is [[c1, s2], [-s1, c2]]: the forward with (-s2, -s1).
-        s1, s2 = -s2, -s1
-
-    q_start = group * q_heads_per_group
-    _rotate_heads(
-        q_ptr + batch * q_batch_stride, q_head_stride, q_seq_stride, q_dim_stride,
-        qo_ptr + batch * qo_batch_stride, qo_head_stride, qo_seq_stride, qo_dim_stride,
-        q_start, tl.minimum(q_start + q_heads_per_group, n_q_heads), pos, pos_mask, cols, col_mask,
-        c1, c2, s1, s2, HALF, BLOCK_H,
-    )  # fmt: skip
-    k_start = group * k_heads_per_group
-    _rotate_heads(
-        k_ptr + batch * k_batch_stride, k_head_stride, k_seq_stride, k_dim_stride,
-        ko_ptr + batch * ko_batch_stride, ko_head_stride, ko_seq_stride, ko_dim_stride,
-        k_start, tl.minimum(k_start + k_heads_per_group, n_k_heads), pos, pos_mask, cols, col_mask,
-        c1, c2, s1, s2, HALF, BLOCK_H,
-    )  # fmt: skip
+    # The first programs take q's rows, the rest k's: one launch for both.
+    program = tl.program_id(0)
+    n_q_rows, n_k_rows = batch * n_q_heads * seq_len, batch * n_k_heads * seq_len
+    q_programs = tl.cdiv(n_q_rows, BLOCK_R)
+    if program < q_programs:
+        _rotate_rows(
+            q_ptr, q_batch_stride, q_head_stride, q_seq_stride, q_dim_stride,
+            qo_ptr, qo_batch_stride, qo_head_stride, qo_seq_stride, qo_dim_stride,
+            cos_ptr, cos_batch_stride, cos_seq_stride, cos_dim_stride,
+            sin_ptr, sin_batch_stride, sin_seq_stride, sin_dim_stride,
+            program * BLOCK_R, n_q_rows, n_q_heads, seq_len, BACKWARD, HEADS_INNER, HALF, BLOCK_R, BLOCK_D,
+        )  # fmt: skip
+    else:
+        _rotate_rows(
+            k_ptr, k_batch_stride, k_head_stride, k_seq_stride, k_dim_stride,
+            ko_ptr, ko_batch_stride, ko_head_stride, ko_seq_stride, ko_dim_stride,
+            cos_ptr, cos_batch_stride, cos_seq_stride, cos_dim_stride,
+            sin_ptr, sin_batch_stride, sin_seq_stride, sin_dim_stride,
+            (program - q_programs) * BLOCK_R, n_k_rows, n_k_heads, seq_len, BACKWARD, HEADS_INNER, HALF, BLOCK_R,
+            BLOCK_D,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class RopeTile:
-    """How the RoPE kernel tiles (B, heads, T, D): BLOCK_T positions x BLOCK_H heads x BLOCK_D pairs a step."""
+    """How the RoPE kernel splits q and k: ``block_r`` rows (one head of one position each) a program, each half-row
+    padded to ``block_d``, under ``num_warps``."""
 
-    block_t: int
-    block_h: int
+    block_r: int
     block_d: int
     num_warps: int
-    n_pos_tiles: int
-    q_heads_per_group: int
-    k_heads_per_group: int
-    grid: tuple[int, int]
 
 
-def rope_tile(
-    batch: int,
-    seq_len: int,
-    q_heads: int,
-    k_heads: int,
-    head_dim: int,
-    *,
-    block_h: int | None = None,
-    block_t: int | None = None,
-    n_groups: int | None = None,
-) -> RopeTile:
-    """Launch settings; the keyword arguments override the defaults (for tuning sweeps and tests)."""
-    block_d = triton.next_power_of_2(head_dim // 2)
-    max_heads = max(q_heads, k_heads, 1)
-    # The interpreter pays per operation, whatever the tile size: it takes every head in one step and a
-    # large tile of positions (few programs). The GPU takes a few heads a step and many programs.
-    if block_h is None:
-        block_h = runtime.pick(cpu=max_heads, gpu=min(_GPU_HEADS_PER_STEP, max_heads))
-    block_h = triton.next_power_of_2(block_h)
-    if block_t is None:
-        step_elements = runtime.pick(cpu=_CPU_STEP_ELEMENTS, gpu=_GPU_STEP_ELEMENTS)
-        block_t = min(max(1, step_elements // (block_h * block_d)), triton.next_power_of_2(max(seq_len, 1)))
-    block_t = triton.next_power_of_2(block_t)
-    n_pos_tiles = triton.cdiv(seq_len, block_t)
-    programs = max(1, batch * n_pos_tiles)
-    if n_groups is None:
-        # Split the heads into groups only when there are too few (batch, position tile) programs for a few
-        # waves over the SMs (short sequences, or a long program tail); each group reloads cos/sin, which
-        # then come from L2.
-        n_groups = min(triton.cdiv(max_heads, block_h), triton.cdiv(_PROGRAMS_PER_SM * runtime.sm_count(), programs))
-    n_groups = max(1, n_groups)
-
-    def per_group(heads: int) -> int:
-        return triton.cdiv(triton.cdiv(heads, n_groups), block_h) * block_h
-
-    num_warps = max(1, min(8, block_h * block_t * block_d // 512))
-    return RopeTile(
-        block_t, block_h, block_d, num_warps, n_pos_tiles, per_group(q_heads), per_group(k_heads),
-        (programs, n_groups),
-    )  # fmt: skip
+def rope_tile(head_dim: int, *, block_r: int | None = None, num_warps: int | None = None) -> RopeTile:
+    """Launch settings for rows of ``head_dim``; the keyword arguments override the defaults (tuning sweeps, tests)."""
+    block_d = triton.next_power_of_2(max(head_dim // 2, 1))
+    if block_r is None:
+        block_r = max(1, runtime.pick(cpu=_CPU_PROGRAM_ELEMENTS, gpu=_GPU_PROGRAM_ELEMENTS) // block_d)
+    block_r = triton.next_power_of_2(block_r)
+    if num_warps is None:
+        num_warps = runtime.pick(cpu=1, gpu=max(1, min(8, block_r * block_d // _GPU_WARP_ELEMENTS)))
+    return RopeTile(block_r, block_d, num_warps)
 
 
 def _strides4(x: torch.Tensor) -> tuple[int, int, int, int]:
@@ -199,12 +164,14 @@ def rope_rotate(
     k_heads = k.shape[1]
     if batch == 0 or seq_len == 0 or q_heads + k_heads == 0:
         return
-    tile = tile or rope_tile(batch, seq_len, q_heads, k_heads, head_dim)
-    _rope_kernel[tile.grid](
+    tile = tile or rope_tile(head_dim)
+    # One row order for both tensors, q's memory order (any order is correct; memory order streams).
+    heads_inner = q.stride(1) < q.stride(2)
+    grid = triton.cdiv(batch * q_heads * seq_len, tile.block_r) + triton.cdiv(batch * k_heads * seq_len, tile.block_r)
+    _rope_kernel[(grid,)](
         q, *_strides4(q), k, *_strides4(k), q_out, *_strides4(q_out), k_out, *_strides4(k_out),
-        cos, *_angle_strides(cos), sin, *_angle_strides(sin),
-        seq_len, q_heads, k_heads, tile.q_heads_per_group, tile.k_heads_per_group, tile.n_pos_tiles,
-        HALF=head_dim // 2, BACKWARD=backward, BLOCK_T=tile.block_t, BLOCK_H=tile.block_h, BLOCK_D=tile.block_d,
+        cos, *_angle_strides(cos), sin, *_angle_strides(sin), batch, seq_len, q_heads, k_heads,
+        BACKWARD=backward, HEADS_INNER=heads_inner, HALF=head_dim // 2, BLOCK_R=tile.block_r, BLOCK_D=tile.block_d,
         num_warps=tile.num_warps,
     )  # fmt: skip
 
