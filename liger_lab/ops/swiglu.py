@@ -86,23 +86,16 @@ def _glu_backward_kernel(
     tl.store(dup_ptr + offsets, (dout * act).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-def forward_launch(n_elements: int) -> runtime.ElementwiseLaunch:
-    """The forward's blocks: 1024 elements under 4 warps on the GPU. Against the backward's 4096 under 8, SwiGLU's
-    forward at 16384 x 14336 took 0.3211 ms instead of 0.3229 on an H200, torch.compile's 0.3209
-    (benchmarks/notes/swiglu.md)."""
-    return runtime.elementwise_launch(n_elements, gpu_block=1024, gpu_warps=4)
-
-
 def glu_forward(
     gate: torch.Tensor, up: torch.Tensor, activation: str, *, launch: runtime.ElementwiseLaunch | None = None
 ) -> torch.Tensor:
     """Launch the forward on contiguous tensors of one shape and dtype. Returns act(gate) * up. ``launch``: the
-    blocks, by default :func:`forward_launch`'s (a sweep passes its own)."""
+    blocks, :func:`liger_lab.runtime.elementwise_launch`'s by default (a sweep passes its own)."""
     out = torch.empty_like(gate)
     n = gate.numel()
     if n == 0:
         return out
-    block, num_warps, grid = launch or forward_launch(n)
+    block, num_warps, grid = launch or runtime.elementwise_launch(n)
     _glu_forward_kernel[(grid,)](gate, up, out, n, ACTIVATION=activation, BLOCK=block, num_warps=num_warps)
     return out
 
