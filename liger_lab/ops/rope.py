@@ -21,8 +21,12 @@ program rotates a run of consecutive rows in the order they lie in memory: (batc
 contiguous (B, H, T, D) tensor, (batch, position, head) for the transposed ``(B, T, H, D) -> (B, H, T, D)`` views
 Hugging Face hands over. So a program streams one contiguous stretch of q or k, as a copy would, and reads the
 cos/sin row of each position it meets; the tables are a few MiB, read from L2 after their first use, so they cost
-L2 traffic, not HBM bytes. q and k are read through their strides (copying a transposed view to contiguous
-memory first would double the bytes), and outputs keep the memory layout of their inputs.
+L2 traffic, not HBM bytes. That holds while a batch row's tables fit in L2 (50 MiB on an H200; T * D * 4 bytes in
+bf16, 64 MiB at 131072 positions of 128): past that, a contiguous (B, H, T, D) q, whose rows walk all positions
+of one head before the next, would fetch the tables from HBM again for every head. Hugging Face's transposed
+views walk the heads of one position together and reuse each table row at once. q and k are read through their
+strides (copying a transposed view to contiguous memory first would double the bytes), and outputs keep the
+memory layout of their inputs.
 """
 
 from __future__ import annotations
