@@ -87,6 +87,17 @@ def show_bug(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float
     return not ok
 
 
+def _upstream_gradient_like(output: torch.Tensor) -> torch.Tensor:
+    """A random upstream gradient of ordinary size: magnitudes in [1.25, 2] with random signs.
+
+    Never 1 (not even after rounding to bfloat16), so a backward that ignores its upstream gradient fails. Not a
+    normal draw either: its rare tiny values (|g| < 0.03 one time in forty) push a half-precision gradient
+    below its dtype's normal numbers, and the check would then measure underflow instead of the kernel."""
+    magnitude = torch.empty_like(output).uniform_(1.25, 2.0)
+    sign = torch.randint_like(output, 2) * 2 - 1
+    return magnitude * sign
+
+
 def _as_tuple(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
@@ -105,7 +116,8 @@ def check_against_reference(
 
     Floating tensors in ``inputs`` are copied with their strides (kernels may reuse their buffers) and given
     ``requires_grad``; the reference gets float64 copies. Each output receives the same random upstream
-    gradient in both runs. Prints one line per output and per gradient; returns True when all pass.
+    gradient in both runs (see :func:`_upstream_gradient_like`). Prints one line per output and per
+    gradient; returns True when all pass.
     ``errors``, when given, receives every relative error measured.
     """
     names = list(input_names) if input_names is not None else [f"input {i}" for i in range(len(inputs))]
@@ -122,7 +134,7 @@ def check_against_reference(
 
     ours, theirs = prepare(None), prepare(torch.float64)
     outputs, expected = _as_tuple(fn(*ours)), _as_tuple(reference(*theirs))
-    upstream = [torch.randn_like(out) for out in outputs]
+    upstream = [_upstream_gradient_like(out) for out in outputs]
     ok = True
     # An output is as exact as the least precise of the inputs it was computed from (an fp32 loss of
     # fp16 logits carries the fp16 rounding of those logits).

@@ -28,3 +28,30 @@ def test_a_reference_below_the_dtype_counts_as_its_zeros(capsys):
     assert "below the smallest normal" in capsys.readouterr().out
     assert not checks.check_close("too large", torch.full((8,), 1e-30), torch.full((8,), 1e-86, dtype=torch.float64))
     assert not checks.check_close("representable", zeros, torch.full((8,), 1e-30, dtype=torch.float64))
+
+
+class _IgnoresUpstream(torch.autograd.Function):
+    # x.sum() whose backward assumes loss.backward() was called with a gradient of 1.
+    @staticmethod
+    def forward(ctx, x):
+        return x.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ones(1).expand(3)
+
+
+def test_a_backward_that_ignores_its_upstream_gradient_fails_every_time(capsys):
+    x = torch.randn(3)
+    for _ in range(50):
+        assert not checks.check_against_reference("ignores", _IgnoresUpstream.apply, torch.sum, [x])
+
+
+def test_the_upstream_gradient_keeps_half_precision_gradients_normal():
+    # A scalar loss of 8 x 500 fp16 logits has gradients near 1/4000; a standard normal upstream of 0.01 (one
+    # draw in a hundred) would put them all below fp16's smallest normal number, 6.1e-5.
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        upstream = torch.stack([checks._upstream_gradient_like(torch.zeros((), dtype=dtype)) for _ in range(2000)])
+        assert upstream.dtype == dtype
+        assert upstream.abs().min() >= 1.25 and upstream.abs().max() <= 2.0
+        assert (upstream > 0).any() and (upstream < 0).any()
