@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="output file (default: benchmarks/results/<gpu>-moe-experts.json)")
     args = parser.parse_args(argv)
     path = args.json or Path(__file__).parent / "results" / f"{default_name(args.quick)}-moe-experts.json"
-    dtype = runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)  # the interpreter's bf16 stores truncate
+    dtype = runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)  # bf16 on the GPU; fp32 on CPU, quicker
 
     print(runtime.describe())
     print(f"timer: {runtime.timer_label()}")

@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ours[f"{label}{separator}{args.keyword}={value}"] = spec.call(**options, **{args.keyword: value})
     peers = [(peer, available[peer]) for peer in args.peer]
     shape = spec.check_shapes[0] if args.quick else op.shape
-    dtype = runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)  # the interpreter's bf16 stores truncate
+    dtype = runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)  # bf16 on the GPU; fp32 on CPU, quicker
     flops = op.flops(shape) if op.flops else None
     print(runtime.describe(), flush=True)
     rows = []

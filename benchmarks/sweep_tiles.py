@@ -318,7 +318,7 @@ def fastest(rows: Sequence[dict]) -> list[str]:
 
 def cases_of(groups: Sequence[str], quick: bool) -> list[Case]:
     settings = QUICK_SETTINGS if quick else GPU_SETTINGS
-    dtype = runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)  # the interpreter's bf16 stores truncate
+    dtype = runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)  # bf16 on the GPU; fp32 on CPU, quicker
     cases = []
     for op in NORMS:
         cases += norm_cases(op, settings, quick, dtype) if "norms" in groups or op in groups else []

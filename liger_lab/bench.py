@@ -47,18 +47,22 @@ class OpBench:
     # cannot be captured, and a failed capture leaves the CUDA RNG unusable, so they never try.
     graph_timing: bool = True
 
+    def unavailable_reason(self, impl: str) -> str | None:
+        """Why ``impl`` cannot run here (None when it can): the peers need a GPU, and a package for theirs."""
+        if impl not in self.impls:
+            return f"{self.name} has no implementation {impl!r}"
+        peer = impl.split(":")[0]
+        if peer in ("torch_compile", "liger", "cce") and runtime.INTERPRET:
+            return "runs on a CUDA GPU only (Triton's interpreter runs liger_lab's kernels, not the peers')"
+        if peer == "liger" and not liger_kernel_installed():
+            return "Liger-Kernel is not installed (pip install liger-kernel)"
+        if peer == "cce" and importlib.util.find_spec("cut_cross_entropy") is None:
+            return "cut-cross-entropy is not installed (pip install cut-cross-entropy)"
+        return None
+
     def available(self) -> dict[str, Callable[..., object]]:
         """Implementations that run here, built on demand (torch.compile only on the GPU)."""
-        made = {}
-        for impl, build in self.impls.items():
-            if impl == "torch_compile" and runtime.INTERPRET:
-                continue
-            if impl.split(":")[0] == "liger" and (runtime.INTERPRET or not liger_kernel_installed()):
-                continue
-            if impl == "cce" and (runtime.INTERPRET or importlib.util.find_spec("cut_cross_entropy") is None):
-                continue
-            made[impl] = build()
-        return made
+        return {impl: build() for impl, build in self.impls.items() if self.unavailable_reason(impl) is None}
 
     def run(self, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.bfloat16,
             impls: Iterable[str] | None = None) -> list[profiling.Result]:  # fmt: skip
@@ -167,15 +171,18 @@ def run_op_benchmarks(
 ) -> tuple[list[profiling.Result], list[str]]:
     """Measure every available implementation of each op; returns (results, failures).
 
-    An implementation that raises is listed in ``failures`` and the others still run. ``report``, when given,
-    gets each result as soon as it is measured (and replaces the progress bar).
+    An implementation that raises is listed in ``failures`` and the others still run; so is one asked for in
+    ``impls`` that cannot run here, with the reason. ``report``, when given, gets each result as soon as it is
+    measured (and replaces the progress bar).
     """
     jobs, failures = [], []
     for name in ops:
-        for impl in OPS[name].available():
-            if impls and impl not in impls:
-                continue
-            jobs.append((name, impl))
+        for impl in [impl for impl in impls or OPS[name].impls if impl in OPS[name].impls]:
+            reason = OPS[name].unavailable_reason(impl)
+            if reason is None:
+                jobs.append((name, impl))
+            elif impls:
+                failures.append(f"{name} {impl}: not measured: {reason}")
     results = []
     for name, impl in tqdm(jobs, desc="benchmarking", unit="impl", disable=True if report else None, leave=False):
         shape = (shapes or {}).get(name) or op_shape(OPS[name], small)

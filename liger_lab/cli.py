@@ -7,6 +7,7 @@ The ops come from the one table, :data:`liger_lab.ops.table.OPS`; the functions 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -85,7 +86,7 @@ def _case(op: str, dtype: torch.dtype) -> CheckCase:
 
 
 def check_dtypes() -> tuple[torch.dtype, ...]:
-    """fp32 and fp16 in the interpreter (its bf16 stores truncate), fp32 and bf16 on the GPU."""
+    """fp32 and fp16 in the interpreter, fp32 and bf16 on the GPU (bf16 on CPU: the tests' bf16 cases)."""
     return runtime.pick(cpu=(torch.float32, torch.float16), gpu=(torch.float32, torch.bfloat16))
 
 
@@ -186,11 +187,11 @@ def check(ops: tuple[str, ...], verbose: bool) -> None:
 
 @main.command(name="patch", short_help="What liger_lab.patch fuses in a model family, and what it leaves alone.")
 @click.argument("model_type", type=click.Choice(sorted(FAMILIES)))
-@click.option("--dry-run", is_flag=True, required=True, help="Patch a tiny random model of the family and report.")
+@click.option("--dry-run", is_flag=True, help="Accepted for older scripts: the command only ever reports.")
 def patch_command(model_type: str, dry_run: bool) -> None:
     """Build a tiny random MODEL_TYPE model (nothing downloaded), patch it and print what was fused, per kind
     and count, and what was left alone and why. A family whose transformers classes no longer match fails
-    here with the error patching would raise."""
+    here with the error patching would raise. Nothing is patched outside this command's own process."""
     import transformers
 
     import liger_lab
@@ -207,11 +208,19 @@ def bench_group() -> None:
     """Benchmarks: single ops (the benchmark protocol) and end-to-end training."""
 
 
-def _parse_shape(text: str) -> tuple[int, ...]:
+def _op_shape(op: str, text: str) -> tuple[int, ...]:
+    """--shape for ``op``: as many sizes as its protocol shape has."""
     try:
-        return e2e.parse_sizes(text)
+        sizes = e2e.parse_sizes(text)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--shape") from None
+    expected = bench.OPS[op].shape
+    if len(sizes) != len(expected):
+        example = "x".join(map(str, expected))
+        raise click.BadParameter(
+            f"{op} takes {len(expected)} sizes like its protocol shape {example}, got {text!r}", param_hint="--shape"
+        )
+    return sizes
 
 
 @bench_group.command("ops", short_help="Time and measure every op, every implementation.")
@@ -236,7 +245,7 @@ def bench_ops(ops, impls, dtype, small, shape, json_path, plot_path) -> None:
     clock that says nothing about GPU speed. Each implementation is printed as it finishes, then the table.
     """
     ops = ops or list(bench.OPS)
-    shapes = {name: _parse_shape(shape) for name in ops} if shape else None
+    shapes = {name: _op_shape(name, shape) for name in ops} if shape else None
     click.echo(runtime.describe())
     results, failures = bench.run_op_benchmarks(
         ops, impls=impls, dtype=DTYPES[dtype], shapes=shapes, small=small,
@@ -246,7 +255,7 @@ def bench_ops(ops, impls, dtype, small, shape, json_path, plot_path) -> None:
     for line in failures:
         click.echo(f"FAILED {line}", err=True)
     if not results:
-        raise click.ClickException("nothing was measured")
+        raise click.ClickException("nothing was measured" + (": see the reasons above" if failures else ""))
     profiling.print_table(results)
     if json_path:
         bench.write_json(results, json_path, {"dtype": dtype})
@@ -276,17 +285,19 @@ def _pair_sizes(batches: Sequence[int], seqs: Sequence[int]) -> list[tuple[int, 
     help="Training mode (repeatable; default: every one available here). +compile: then torch.compile the model.",
 )
 @click.option("--model", type=click.Choice(["tiny", "1.5b"]), help="Model preset [default: 1.5b on GPU, tiny on CPU].")
-@click.option("--layers", type=int, help="Override the number of decoder layers.")
-@click.option("--batch", "batches", multiple=True, type=int, help="Batch size [default: 8 on GPU, 2 on CPU].")
+@click.option("--layers", type=click.IntRange(min=1), help="Override the number of decoder layers.")
+@click.option(
+    "--batch", "batches", multiple=True, type=click.IntRange(min=1), help="Batch size [default: 8 on GPU, 2 on CPU]."
+)
 @click.option(
     "--seq",
     "seqs",
     multiple=True,
-    type=int,
+    type=click.IntRange(min=1),
     help="Sequence length [default: 2048 on GPU, 16 on CPU]. Repeat --batch and --seq for several sizes.",
 )
-@click.option("--steps", type=int, default=5, show_default=True, help="Timed steps.")
-@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps first.")
+@click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True, help="Timed steps.")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed steps first.")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), help="[default: bf16 on GPU, fp32 on CPU]")
 @click.option("--breakdown", is_flag=True, help="First print the analytic memory breakdown.")
 @click.option(
@@ -434,6 +445,33 @@ def jupyter_lab_command(
     return command
 
 
+def workbook_folder() -> Path:
+    """The exercise chapters: ./chapters, else those of the clone this package is installed from (editable)."""
+    for folder in (Path("chapters"), Path(__file__).resolve().parent.parent / "chapters"):
+        if folder.is_dir():
+            return folder
+    raise click.ClickException(
+        "no chapters/ folder here, and this liger_lab is not installed from a clone: run from a clone of "
+        "liger-lab or pass --folder"
+    )
+
+
+def jupyterlab_installed() -> bool:
+    return importlib.util.find_spec("jupyterlab") is not None
+
+
+def port_is_free(ip: str, port: int) -> bool:
+    """Whether JupyterLab could listen on ``ip:port`` now (it is started with no port retries)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((ip, port))
+        except OSError:
+            return False
+    return True
+
+
 def workbook_urls(ip: str, port: int, token: str) -> list[str]:
     """Where to point a browser; a server listening on every address is reached through this host's name."""
     hosts = [socket.gethostname(), "127.0.0.1"] if ip in ("0.0.0.0", "::", "") else [ip]
@@ -450,16 +488,20 @@ def workbook_urls(ip: str, port: int, token: str) -> list[str]:
 )
 @click.option(
     "--folder",
-    default=Path("chapters"),
-    show_default=True,
     type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="Folder to open.",
+    help="Folder to open [default: ./chapters, else the chapters/ of the clone liger_lab runs from].",
 )
-def workbook(ip: str, port: int, browser: bool | None, folder: Path) -> None:
+def workbook(ip: str, port: int, browser: bool | None, folder: Path | None) -> None:
     """Start JupyterLab on the exercise chapters and print the URL to open, with its token.
 
     Works as root (containers, cloud GPU images) and on a machine without a display (a remote GPU: forward
-    the port, e.g. ``ssh -L 8888:localhost:8888 gpu-host``, then open the printed 127.0.0.1 URL)."""
+    the port, e.g. ``ssh -L 8888:localhost:8888 gpu-host``, then open the printed 127.0.0.1 URL). Before it
+    prints anything it checks that JupyterLab is installed and that the port is free."""
+    folder = folder or workbook_folder()
+    if not jupyterlab_installed():
+        raise click.ClickException("JupyterLab is not installed: pip install 'liger-lab[notebooks]' (or make workbook)")
+    if not port_is_free(ip, port):
+        raise click.ClickException(f"port {port} on {ip} is in use: pass another with --port")
     token = secrets.token_hex(24)
     has_display = bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")) or sys.platform == "darwin"
     command = jupyter_lab_command(

@@ -134,7 +134,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def default_dtype() -> torch.dtype:
-    """bf16 on the GPU; fp32 in the interpreter, whose bf16 stores truncate instead of rounding."""
+    """bf16 on the GPU; fp32 in the interpreter, where bf16 buys nothing (the kernels compute in fp32) and torch's
+    CPU matmuls are slower in bf16."""
     return runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)
 
 

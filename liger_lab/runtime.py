@@ -51,6 +51,40 @@ INTERPRET: bool = _choose_interpreter()
 
 import triton  # noqa: E402  (must follow the TRITON_INTERPRET decision above)
 
+
+def _round_bf16_casts_in_interpreter() -> None:
+    """Make the interpreter round fp32 -> bf16 casts to nearest even, as the GPU (and torch) do.
+
+    Triton's interpreter keeps the top 16 bits of an fp32 value, which truncates: a bf16 result computed on CPU
+    then differs from the GPU's and from PyTorch's by up to one bf16 ulp (0.0078 relative). Every kernel casts
+    with ``.to(ptr.dtype.element_ty)`` before a store, and all those casts go through the interpreter's
+    ``cast_impl``, so rounding there makes every bf16 store round like the GPU. Other casts are left to it."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "rounds_bf16", False):
+        return
+    truncating_cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return truncating_cast(self, src, dst_type)
+        bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # ties to even
+        nan = np.isnan(src.data)
+        rounded[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)  # stays a (quiet) NaN of the same sign
+        return interpreter.TensorHandle(rounded.reshape(np.shape(src.data)), dst_type.scalar)
+
+    cast_impl.rounds_bf16 = True
+    builder.cast_impl = cast_impl
+    builder.create_fp_trunc = cast_impl
+
+
+if INTERPRET:
+    _round_bf16_casts_in_interpreter()
+
 DEVICE: torch.device = torch.device("cpu") if INTERPRET else torch.device("cuda")
 """The device liger_lab's kernels expect their tensors on."""
 

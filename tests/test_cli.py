@@ -2,6 +2,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import socket
 from pathlib import Path
 
 import nbformat
@@ -188,6 +189,8 @@ def _workbook_launch(monkeypatch, tmp_path, args, *, euid, display):
     monkeypatch.setattr(cli.os, "execv", lambda path, argv: launched.update(path=path, argv=argv))
     monkeypatch.setattr(cli.os, "geteuid", lambda: euid)
     monkeypatch.setattr(cli.sys, "platform", "linux")
+    monkeypatch.setattr(cli, "jupyterlab_installed", lambda: True)
+    monkeypatch.setattr(cli, "port_is_free", lambda ip, port: True)
     for name in ("DISPLAY", "WAYLAND_DISPLAY"):
         monkeypatch.delenv(name, raising=False)
     if display:
@@ -219,6 +222,58 @@ def test_workbook_rejects_a_bad_port_before_starting(monkeypatch, tmp_path):
     monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail("must not start"))
     result = CliRunner().invoke(cli.main, ["workbook", "--folder", str(tmp_path), "--port", "70000"])
     assert result.exit_code != 0 and "70000" in result.output
+
+
+def test_workbook_checks_jupyterlab_and_the_port_before_it_prints_a_url(monkeypatch, tmp_path):
+    monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail("must not start"))
+    monkeypatch.setattr(cli, "jupyterlab_installed", lambda: False)
+    result = CliRunner().invoke(cli.main, ["workbook", "--folder", str(tmp_path)])
+    assert result.exit_code != 0 and "JupyterLab is not installed" in result.output and "http" not in result.output
+    monkeypatch.setattr(cli, "jupyterlab_installed", lambda: True)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(cli.main, ["workbook", "--folder", str(tmp_path), "--port", str(port)])
+    assert result.exit_code != 0 and f"port {port}" in result.output and "http" not in result.output
+    assert cli.port_is_free("127.0.0.1", port)  # free again once released
+
+
+def test_workbook_finds_the_chapters_from_any_folder(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert cli.workbook_folder() == ROOT / "chapters"
+    (tmp_path / "chapters").mkdir()
+    assert cli.workbook_folder() == Path("chapters")
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["bench", "e2e", "--batch", "0"], "--batch"),
+        (["bench", "e2e", "--steps", "0"], "--steps"),
+        (["bench", "e2e", "--seq", "-1"], "--seq"),
+        (["bench", "ops", "--op", "rope", "--shape", "8x64"], "rope takes 5 sizes"),
+        (["bench", "ops", "--op", "rms_norm", "--shape", "8xa"], "--shape"),
+    ],
+)
+def test_bad_arguments_get_a_one_line_usage_error(args, says):
+    result = CliRunner().invoke(cli.main, args)
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "Traceback" not in result.output and result.exception.__class__ is SystemExit
+
+
+def test_an_implementation_that_cannot_run_here_says_why(monkeypatch):
+    monkeypatch.setattr(runtime, "INTERPRET", True)
+    result = CliRunner().invoke(cli.main, ["bench", "ops", "--op", "rms_norm", "--impl", "liger"])
+    assert result.exit_code != 0
+    assert "rms_norm liger: not measured: runs on a CUDA GPU only" in result.output
+    assert "nothing was measured: see the reasons above" in result.output
+
+
+def test_patch_reports_without_the_dry_run_flag():
+    result = CliRunner().invoke(cli.main, ["patch", "llama"])
+    assert result.exit_code == 0, result.output
+    assert "fused      RMSNorm" in result.output
 
 
 def test_benchmark_modes_each_run_in_a_child_process_of_their_own(tmp_path, monkeypatch):

@@ -218,13 +218,14 @@ def test_autocast_step_matches_transformers(model_type):
         assert relative_l2_error(grad, grads[1][name]) < 5e-2, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("model_type", sorted(patching.FAMILIES))
-def test_fused_norms_round_where_transformers_does(model_type):
+def test_fused_norms_round_where_transformers_does(model_type, dtype):
     """Each family's RMSNorm rounds at its own point (Llama: xhat to the input dtype, then times w; OLMo 2: w times
-    xhat in fp32, rounded once; Gemma: (1 + w) in fp32). In fp16 a wrong choice changes about a quarter of the
-    outputs by one step; the right one matches to the last bit but for rare ties. (fp16, not bf16: the
-    interpreter's bf16 stores truncate.)"""
-    reference = tiny_model(model_type).half()
+    xhat in fp32, rounded once; Gemma: (1 + w) in fp32). In half precision a wrong choice changes about a quarter
+    of the outputs by one step; the right one matches to the last bit but for rare ties. bf16 too: the interpreter
+    rounds fp32 -> bf16 stores to nearest even, as the GPU does (``runtime``)."""
+    reference = tiny_model(model_type).to(dtype)
     model = liger_lab.patch(copy.deepcopy(reference))
     generator = torch.Generator().manual_seed(0)
     pairs = [
@@ -235,8 +236,8 @@ def test_fused_norms_round_where_transformers_does(model_type):
     assert pairs
     for ours, theirs in pairs:
         size = ours.weight.shape[-1]
-        weight = (1 + torch.randn(size, generator=generator)).half().to(ours.weight.device)
-        x = (3 * torch.randn(256, size, generator=generator)).half().to(ours.weight.device)
+        weight = (1 + torch.randn(size, generator=generator)).to(dtype).to(ours.weight.device)
+        x = (3 * torch.randn(256, size, generator=generator)).to(dtype).to(ours.weight.device)
         with torch.no_grad():
             ours.weight.copy_(weight)
             theirs.weight.copy_(weight)
