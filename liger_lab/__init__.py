@@ -15,14 +15,23 @@ except (ImportError, AttributeError) as _error:  # DTensor internals this torch 
 from liger_lab.ops.cross_entropy import cross_entropy
 from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
+from liger_lab.ops.grpo import fused_linear_grpo
 from liger_lab.ops.jsd import jsd
 from liger_lab.ops.layer_norm import layer_norm
-from liger_lab.ops.preference import fused_linear_dpo, fused_linear_orpo, fused_linear_simpo
+from liger_lab.ops.logprobs import fused_linear_logprobs
+from liger_lab.ops.preference import (
+    fused_linear_cpo,
+    fused_linear_dpo,
+    fused_linear_kto,
+    fused_linear_orpo,
+    fused_linear_simpo,
+)
 from liger_lab.ops.rms_norm import add_rms_norm, rms_norm
 from liger_lab.ops.rope import apply_rotary_pos_emb, rope
 from liger_lab.ops.swiglu import geglu, swiglu
 from liger_lab.patching import patch, unpatch
 from liger_lab.patching import report as patch_report
+from liger_lab.trl_head import patch_trl, unpatch_trl
 
 __version__ = "0.1.0"
 
@@ -39,7 +48,10 @@ __all__ = [
     "geglu",
     "patch",
     "patch_report",
+    "doctor",
     "unpatch",
+    "patch_trl",
+    "unpatch_trl",
     "cross_entropy",
     "fused_linear_cross_entropy",
     "jsd",
@@ -47,4 +59,19 @@ __all__ = [
     "fused_linear_dpo",
     "fused_linear_orpo",
     "fused_linear_simpo",
+    "fused_linear_kto",
+    "fused_linear_cpo",
+    "fused_linear_logprobs",
+    "fused_linear_grpo",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``liger_lab.doctor`` on first use: the module is callable, ``liger_lab.doctor(model, ...)`` runs it. It imports
+    the benchmark and the CLI, which ``import liger_lab`` does not: a module imported with the package would run
+    twice, and warn, as ``python -m liger_lab.e2e``."""
+    if name == "doctor":
+        import importlib
+
+        return importlib.import_module("liger_lab.doctor")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -56,6 +56,8 @@ class OpBench:
             return "runs on a CUDA GPU only (Triton's interpreter runs liger_lab's kernels, not the peers')"
         if peer == "liger" and not liger_kernel_installed():
             return "Liger-Kernel is not installed (pip install liger-kernel)"
+        if peer == "trl" and importlib.util.find_spec("trl") is None:
+            return "TRL is not installed (pip install 'trl>=1.16')"
         if peer == "cce" and importlib.util.find_spec("cut_cross_entropy") is None:
             return "cut-cross-entropy is not installed (pip install cut-cross-entropy)"
         return None

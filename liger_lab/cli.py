@@ -203,6 +203,40 @@ def patch_command(model_type: str, dry_run: bool) -> None:
     click.echo(liger_lab.patch_report(liger_lab.patch(model)))
 
 
+@main.command(name="doctor", short_help="Before a full run: profile, patch, check and train your model at your shapes.")
+@click.argument("model", type=click.Path(exists=True, path_type=Path))
+@click.option("--batch", type=click.IntRange(min=1), help="Batch size [default: 8 on GPU, 1 on CPU].")
+@click.option("--seq", type=click.IntRange(min=1), help="Sequence length [default: 2048 on GPU, 16 on CPU].")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), help="[default: bf16 on GPU, fp32 on CPU]")
+@click.option(
+    "--steps", type=click.IntRange(min=2), help="Training steps per model, the first untimed [default: 6 GPU, 3 CPU]."
+)
+@click.option("--max-batch", type=click.IntRange(min=1), help="Also find the largest batch up to this that fits (GPU).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write everything here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Plot memory here (GPU).")
+def doctor_command(model, batch, seq, dtype, steps, max_batch, json_path, plot_path) -> None:
+    """Check liger_lab on MODEL (a local model directory, whose weights are loaded when it has any, or a
+    config.json: random weights) at the run's own batch, sequence length and dtype, before a full run.
+    Nothing is downloaded; the data are random tokens.
+
+    \b
+    1. the unpatched training step profiled: time per category, each replaceable op's share, peak memory by phase;
+    2. what liger_lab.patch replaces and what it leaves alone, and why;
+    3. every replaced module (and the loss) against transformers' in float64, on its inputs of one forward;
+    4. the patched step: tokens/s, peak memory, every step's loss against the unpatched model's, fallbacks;
+    5. the verdict. Exit code 1 when a check failed or the loss curves disagree.
+    """
+    from liger_lab.doctor import prepare, run
+
+    try:
+        plan = prepare(model, batch=batch, seq=seq, dtype=dtype, steps=steps, max_batch=max_batch,
+                       json_path=json_path, plot_path=plot_path)  # fmt: skip
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    if not run(plan, progress=click.echo).ok:
+        sys.exit(1)
+
+
 @main.group(name="bench", short_help="Benchmark single ops or end-to-end training.")
 def bench_group() -> None:
     """Benchmarks: single ops (the benchmark protocol) and end-to-end training."""

@@ -13,10 +13,12 @@ versions of those pieces, in one of two ways:
   modules gets the fused subclass as its ``__class__`` and the model gets its own ``forward``. Its
   parameters, buffers and state dict stay exactly as they were, and other models are not affected.
 
-A mixture of experts (Qwen3-MoE, Mixtral) keeps every expert's weights in one ``...Experts`` module of two 3-D
-tensors, run by transformers' Python loop over the experts or by one of its kernels (``experts_implementation``,
-``"grouped_mm"`` by default where it runs): the loop gets the fused SwiGLU, the kernels and the router stay
-transformers', and :func:`report` says which runs.
+A mixture of experts (Qwen3-MoE, Mixtral, Qwen3.5-MoE, Gemma 4, DeepSeek-V3, GLM-4.5) keeps every expert's weights
+in one ``...Experts`` module of two 3-D tensors, run by transformers' Python loop over the experts or by one of its
+kernels (``experts_implementation``, ``"grouped_mm"`` by default where it runs): the loop gets the fused SwiGLU (GeGLU
+for Gemma 4), the kernels and the router stay transformers', and :func:`report` says which runs. What a family
+computes differently from the fused pieces (GPT-OSS's clamped experts, interleaved or one-tensor RoPE) stays
+transformers', and :data:`FAMILIES` records why for :func:`report` to say.
 
 The fused subclasses override ``forward`` only, so ``isinstance`` checks, weight initialisation, state
 dicts and ``save_pretrained`` see the transformers classes they derive from. RoPE is the one piece that
@@ -46,6 +48,13 @@ name in this module (:func:`__getattr__` rebuilds them), a patched model's own `
 options, and a fused attention that is unpickled or deep-copied holds the rope swap itself, so it keeps
 running the fused kernel. A model built while its family was patched keeps its fused modules when loaded,
 but its loss is its class's: transformers' own in a process where the family is not patched.
+
+A patched model composes with what other code puts on it, whichever comes first, and :func:`unpatch` gives back
+what the model held before :func:`patch`: accelerate's hooks (``dispatch_model``, ``cpu_offload``, a
+``device_map``) stay around the fused modules and the loss, which runs inside the ``lm_head``'s hook; a forward
+that another library set on the instance (TRL's ``add_fused_lm_head``) keeps every call the fused loss does not
+take; a module that a hook watches keeps its outputs (no in-place backward writes over them); the wrapper of
+``torch.compile(model)`` is looked through. The fused-RoPE switch is per thread.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import threading
 import types
 import warnings
 import weakref
@@ -64,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_lab.nn.mlp import GeGLUMLP, SwiGLUMLP
+from liger_lab.nn.mlp import GeGLUMLP, SwiGLUMLP, outputs_observed
 from liger_lab.ops import cross_entropy as ce_ops
 from liger_lab.ops import fused_linear_cross_entropy as flce_ops
 from liger_lab.ops import rms_norm as rms_norm_ops
@@ -90,13 +100,23 @@ class _Family:
     in_place_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     mlp: bool = True  # a dense gated MLP class (a mixture of experts alone has none: Mixtral)
     # An experts class holding every expert's weights as 3-D tensors (transformers 5's ...Experts: gate_up_proj
-    # (E, 2I, H), down_proj (E, H, I)), whose loop over the experts gets the fused SwiGLU; the router stays as it is.
+    # (E, 2I, H), down_proj (E, H, I)), whose loop over the experts gets the fused SwiGLU (GeGLU for a tanh-GELU
+    # activation); the router stays as it is.
     experts: bool = False
-    rope: bool = True  # rotate_half RoPE, the fused kernel's (GLM-4 rotates interleaved pairs instead)
+    rope: bool = True  # apply_rotary_pos_emb(q, k, cos, sin) in rotate_half's convention, the fused kernel's
+    # GPT-OSS's cos and sin hold each of the D/2 angles once, where rotate_half's hold them twice (D columns): the
+    # same rotation, which the kernel runs on the tables repeated.
+    rope_half_tables: bool = False
     module: str | None = None  # the modeling module, when its name is not the model type (gemma3_text)
     # A decoder layer written exactly as Llama's (norm, attention, add, norm, MLP, add): the add before the MLP's
     # norm is fused into it (add_rms_norm).
     add_norm: bool = False
+    # Class names that are not prefix + suffix, as (suffix, name) pairs: Gemma 4's text classes are Gemma4Text...,
+    # but its norm and causal LM are the multimodal model's Gemma4RMSNorm and Gemma4ForCausalLM.
+    names: tuple[tuple[str, str], ...] = ()
+    # What of this family stays transformers' and why, as (piece, reason) pairs that report() states; what report()
+    # finds on a model by itself (an activation without a kernel, transformers' experts kernel) is not listed here.
+    left_alone: tuple[tuple[str, str], ...] = ()
 
     @property
     def pieces(self) -> tuple[str, ...]:
@@ -105,6 +125,13 @@ class _Family:
                "Experts": self.experts}  # fmt: skip
         return tuple(suffix for suffix, present in has.items() if present)
 
+    def name(self, suffix: str) -> str:
+        """The class name of a piece (a suffix of :attr:`pieces`, ``"Experts"`` or ``"ForCausalLM"``)."""
+        return dict(self.names).get(suffix, self.prefix + suffix)
+
+
+# Qwen3.5's linear-attention (Gated DeltaNet) layers end in a norm of another formula.
+_GATED_NORM = ("gated RMSNorm", "RMSNormGated, norm(x) * w * silu(z) in the linear-attention layers: no fused kernel")
 
 FAMILIES: dict[str, _Family] = {
     "llama": _Family("Llama", add_norm=True),
@@ -127,7 +154,67 @@ FAMILIES: dict[str, _Family] = {
     "olmo2": _Family("Olmo2", norm="fp32_weight", in_place_norms=()),
     "granite": _Family("Granite"),  # its logits are divided by config.logits_scaling, in the loss too
     "smollm3": _Family("SmolLM3", add_norm=True),  # some layers skip RoPE: they never call apply_rotary_pos_emb
-    "glm4": _Family("Glm4", fused_gate_up=True, rope=False),
+    "glm4": _Family(
+        "Glm4", fused_gate_up=True, rope=False,
+        left_alone=(("RoPE", "interleaved pairs, which the fused kernel does not rotate"),),
+    ),
+    # Qwen3.5 (the text model): (1 + w) norms, q_norm and k_norm too; partial RoPE on the full-attention layers (its
+    # multimodal position tables are plain cos and sin by then). The decoder's add is not fused: add_norm is written
+    # for Llama's norm.
+    "qwen3_5_text": _Family("Qwen3_5", norm="gemma", module="qwen3_5", left_alone=(_GATED_NORM,)),
+    # Qwen3.5's layers with a mixture of experts: its shared expert is a Qwen3_5MoeMLP (its sigmoid gate stays).
+    "qwen3_5_moe_text": _Family(
+        "Qwen3_5Moe", norm="gemma", module="qwen3_5_moe", experts=True, left_alone=(_GATED_NORM,)
+    ),
+    # Gemma 4 (text): w, not 1 + w, multiplied in fp32 and rounded once (OLMo 2's rounding); GeGLU in the MLP and in
+    # the experts (26B-A4B's layers run both and add them). Sandwich norms, per-layer inputs, layer scalars: no fused
+    # add.
+    "gemma4_text": _Family(
+        "Gemma4Text", norm="fp32_weight", act_attr="hidden_activation", module="gemma4", experts=True, rope=False,
+        in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
+        names=(("RMSNorm", "Gemma4RMSNorm"), ("ForCausalLM", "Gemma4ForCausalLM")),
+        left_alone=(
+            ("RoPE", "apply_rotary_pos_emb(x, cos, sin) rotates q and k one at a time, each after its norm; the fused "
+                     "kernel takes both"),
+            ("RMSNorm without weight", "v_norm and the router's norm (with_scale=False): no weight for the kernel"),
+        ),
+    ),
+    # GPT-OSS: its norm rounds as OLMo 2's; RoPE is rotate_half's on half tables. The attention sinks join
+    # transformers' attention, which no family fuses. Every layer is a mixture of experts (GptOssMLP is that block).
+    "gpt_oss": _Family(
+        "GptOss", norm="fp32_weight", mlp=False, rope_half_tables=True,
+        left_alone=(
+            ("experts", "clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, "
+                        "limit), on interleaved gate and up columns with biases: not the fused silu(gate) * up"),
+        ),
+    ),
+    # Llama 4 (text): Llama's norm (its eps named eps), SwiGLU MLPs (the dense layers and each MoE layer's shared
+    # expert). The decoder layer calls its MLP feed_forward and unpacks the MoE's tuple: no fused add.
+    "llama4_text": _Family(
+        "Llama4Text", module="llama4", rope=False, names=(("ForCausalLM", "Llama4ForCausalLM"),),
+        left_alone=(
+            ("RoPE", "complex multiplication of interleaved pairs (apply_rotary_emb), not rotate_half"),
+            ("experts", "every expert runs on every token, its input scaled by the router (batched matmuls): not the "
+                        "top-k experts interface of the fused loop"),
+            ("qk_norm", "Llama4TextL2Norm has no weight for the kernel to scale by"),
+        ),
+    ),
+    # OLMo 3: OLMo 2's layer, with sliding-window layers.
+    "olmo3": _Family("Olmo3", norm="fp32_weight", in_place_norms=()),
+    # Ministral 3: Mistral's layer; its queries are scaled by Llama 4's position-dependent factor after RoPE.
+    "ministral3": _Family("Ministral3", add_norm=True),
+    # DeepSeek-V3: MLA attention, whose low-rank q and kv norms (q_a_layernorm, kv_a_layernorm) are fused too; dense
+    # first layers and each MoE layer's shared experts are a DeepseekV3MLP; the routed experts are 3-D.
+    "deepseek_v3": _Family(
+        "DeepseekV3", experts=True, rope=False, add_norm=True,
+        left_alone=(
+            ("RoPE", "MLA's decoupled RoPE, on a qk_rope_head_dim slice of q and one key head shared by all heads, "
+                     "rotates interleaved pairs (apply_rotary_pos_emb_interleave: rope_interleave=True, the "
+                     "checkpoints' layout), which the fused kernel does not"),
+        ),
+    ),
+    # GLM-4.5 (MoE): unlike GLM-4, rotate_half RoPE on part of each head; Llama's layer, optional q and k norms.
+    "glm4_moe": _Family("Glm4Moe", experts=True, add_norm=True),
 }  # fmt: skip
 """Model types (``config.model_type``) that :func:`patch` supports."""
 
@@ -172,7 +259,7 @@ def _hold(owner: object, name: str, replacement: object, holder: object) -> None
         setattr(owner, name, replacement)
     if holder not in swap.holders:
         # A patched model that is garbage-collected without unpatch lets go too.
-        weakref.finalize(holder, _release, owner, name, None).atexit = False
+        weakref.finalize(holder, _release_collected, owner, name).atexit = False
     swap.holders.add(holder)
 
 
@@ -186,6 +273,35 @@ def _release(owner: object, name: str, holder: object | None) -> None:
     if not any(True for _ in swap.holders):
         setattr(owner, name, swap.original)
         del _SWAPS[(owner, name)]
+
+
+_RELEASE_AFTER_COMPILE: list[tuple[object, str]] = []
+
+
+def _release_collected(owner: object, name: str) -> None:
+    """What the collection of a holder does: :func:`_release`, except in the middle of a ``torch.compile``, where
+    it waits for the compile to end. The collector runs whenever Python allocates, so also while Dynamo traces a
+    frame of the same family (after ``torch._dynamo.reset()`` drops the compiled code that kept a patched model
+    alive, say). Putting transformers' ``apply_rotary_pos_emb`` back then changes the function the frame calls
+    between two passes over it: Dynamo's restarted trace diverges from the first (``SpeculationLogDivergence``), or
+    its guards are built on the dispatcher it traced but read the function now there (an internal error on
+    ``apply_rotary_pos_emb.__closure__``). Both fail the compile. Once it ends, the swap goes as usual: the
+    compiled frame's guards then fail on the next call and it recompiles against the original."""
+    if not torch.compiler.is_compiling():  # True for the whole compile, also in code that Dynamo does not trace
+        _release(owner, name, None)
+        return
+    _RELEASE_AFTER_COMPILE.append((owner, name))
+    callbacks = torch._dynamo.callback_handler  # cleared by torch._dynamo.reset(): registered again when needed
+    if _release_deferred not in callbacks.end_callbacks:
+        callbacks.register_end_callback(_release_deferred)
+
+
+def _release_deferred(_: object) -> None:
+    """Dynamo's end-of-compile callback: the releases that :func:`_release_collected` held back. (A compile that
+    runs no such callbacks, ``torch.export``'s, leaves them to the next one: the dispatcher meanwhile runs
+    transformers' function for every model but a patched one, as it does while installed.)"""
+    while _RELEASE_AFTER_COMPILE:
+        _release(*_RELEASE_AFTER_COMPILE.pop(), None)
 
 
 class _FamilyPatch:
@@ -216,20 +332,22 @@ def _fused_subclass(original: type, forward: Callable[..., torch.Tensor], **attr
 # Fused forwards of the modules.
 
 
+def _eps(norm: nn.Module) -> float:
+    """A norm's epsilon: ``variance_epsilon`` in Llama's norm and most others, ``eps`` in Llama 4's and Gemma 4's."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
 def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    return rms_norm_ops.rms_norm(
-        hidden_states, self.weight, self.variance_epsilon, in_place_backward=self.in_place_backward
-    )
+    return rms_norm_ops.rms_norm(hidden_states, self.weight, _eps(self), in_place_backward=self.in_place_backward)
 
 
 def _fp32_weight_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if getattr(self, "weight", None) is None:  # Gemma 4's with_scale=False: nothing for the kernel to scale by
+        return _UNFUSED[type(self)].forward(self, hidden_states)
     # (w * xhat).to(dtype) with both in fp32: the kernel's "gemma" casting, without Gemma's offset.
     return rms_norm_ops.rms_norm(
-        hidden_states,
-        self.weight,
-        self.variance_epsilon,
-        casting_mode="gemma",
-        in_place_backward=self.in_place_backward,
+        hidden_states, self.weight, _eps(self), casting_mode="gemma", in_place_backward=self.in_place_backward
     )
 
 
@@ -266,12 +384,14 @@ def _mlp_class(family: _Family, original: type) -> type:
         kernel = _gated_kernel(getattr(self.config, family.act_attr, None))
         if kernel is None:  # an activation with no fused kernel: keep transformers' computation
             return original.forward(self, x)
+        projections = (self.gate_up_proj,) if family.fused_gate_up else (self.gate_proj, self.up_proj)
+        # Fresh projection outputs, read by nothing else unless a hook saw them: the backward may overwrite them.
+        in_place = not outputs_observed(*projections)
         if family.fused_gate_up:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        # gate and up are fresh projection outputs read by nothing else: the backward may overwrite them.
-        return self.down_proj(kernel(gate, up, in_place_backward=True))
+        return self.down_proj(kernel(gate, up, in_place_backward=in_place))
 
     return _fused_subclass(original, forward)
 
@@ -285,19 +405,24 @@ def _experts_fallback(family: _Family, experts: nn.Module) -> str | None:
     is left as it is."""
     config = getattr(experts, "config", None)
     activation = getattr(config, family.act_attr, None)
-    if activation not in SwiGLUMLP.hf_activations:
-        return f"activation {activation!r} is not SiLU, the one fused for experts"
+    if _gated_kernel(activation) is None:
+        return f"activation {activation!r} is not SiLU or tanh GELU, the ones fused for experts"
     implementation = getattr(config, "_experts_implementation", None)
     if implementation not in (None, "eager"):
         return f"experts_implementation={implementation!r}: transformers' kernel runs (the fused loop is 'eager')"
     return None
 
 
-def _swiglu_experts(
-    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+def _gated_experts(
+    experts: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    glu: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
-    """transformers' eager loop over the experts that got tokens (each computes ``down(silu(gate) * up)`` for its
-    tokens, scales it by their routing weights and adds it into their rows), with ``silu(gate) * up`` fused.
+    """transformers' eager loop over the experts that got tokens (each computes ``down(act(gate) * up)`` for its
+    tokens, scales it by their routing weights and adds it into their rows), with ``act(gate) * up`` fused by ``glu``
+    (SwiGLU, or GeGLU for Gemma 4's tanh-GELU experts).
 
     Two things differ from transformers' loop, both measured on the H200 (``benchmarks/moe_experts.py``):
 
@@ -323,7 +448,7 @@ def _swiglu_experts(
     for expert in hit:
         top_k_pos, token_idx = torch.where(mask[expert])
         gate, up = F.linear(hidden_states[token_idx], gate_up_weights[expert]).chunk(2, dim=-1)
-        out = F.linear(glu_ops.swiglu(gate, up), down_weights[expert]) * top_k_weights[token_idx, top_k_pos, None]
+        out = F.linear(glu(gate, up), down_weights[expert]) * top_k_weights[token_idx, top_k_pos, None]
         final.index_add_(0, token_idx, out.to(final.dtype))
     return final
 
@@ -335,7 +460,8 @@ def _experts_class(family: _Family, original: type) -> type:
         # Decided per call: set_experts_implementation can switch a built model between the loop and a kernel.
         if _experts_fallback(family, self) is not None:
             return original.forward(self, hidden_states, top_k_index, top_k_weights)
-        return _swiglu_experts(self, hidden_states, top_k_index, top_k_weights)
+        glu = _gated_kernel(getattr(self.config, family.act_attr))
+        return _gated_experts(self, hidden_states, top_k_index, top_k_weights, glu)
 
     return _fused_subclass(original, forward)
 
@@ -344,9 +470,9 @@ def _decoder_layer_class(original: type) -> type:
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         post_norm = self.post_attention_layernorm
         # Not the layout fused here, or a norm whose call something watches (a forward hook that records its
-        # output, FSDP2 gathering its weight): the norm must run as a module of its own.
-        watched = post_norm._forward_hooks or post_norm._forward_pre_hooks
-        if args or watched or type(post_norm).forward is not _llama_rms_norm_forward:
+        # output, FSDP2 gathering its weight, accelerate loading an offloaded weight): the norm must run as a
+        # module of its own.
+        if args or outputs_observed(post_norm) or type(post_norm).forward is not _llama_rms_norm_forward:
             return original.forward(self, hidden_states, *args, **kwargs)
         attention, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
         if attention.dtype != hidden_states.dtype:
@@ -381,9 +507,22 @@ def _fused_rotary_pos_emb(
     return q_rot.to(q.dtype), k_rot.to(k.dtype)
 
 
-class _FusedRopeDepth:
-    """How many forwards of fused attentions are running: the rope dispatcher's switch. An instance, not a
-    class attribute: torch.compile traces a change to an object's attribute but not to a class's."""
+def _fused_half_table_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's ``apply_rotary_pos_emb`` on the fused kernel. Its cos and sin hold each of a head's D/2 angles once,
+    and it maps the halves (x1, x2) to (x1 cos - x2 sin, x2 cos + x1 sin): rotate_half's rotation, whose tables
+    hold every angle twice. The repeated tables are (positions x D) elements, against q's and k's heads x that."""
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    return _fused_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+class _FusedRopeDepth(threading.local):
+    """How many forwards of fused attentions are running in this thread: the rope dispatcher's switch. Per thread,
+    because the swapped function is shared: a model of the family that another thread runs at the same time (an
+    unpatched reference, an evaluation thread) is not inside this thread's fused attention. An instance, not a
+    class attribute: torch.compile traces a change to an object's attribute (guarding on it, per thread) but not
+    to a class's."""
 
     def __init__(self) -> None:
         self.depth = 0
@@ -392,7 +531,7 @@ class _FusedRopeDepth:
 _FusedRope = _FusedRopeDepth()
 
 
-def _attention_class(modeling: types.ModuleType, original: type) -> type:
+def _attention_class(family: _Family, modeling: types.ModuleType, original: type) -> type:
     def forward(self, *args, **kwargs):
         _FusedRope.depth += 1
         try:
@@ -404,7 +543,7 @@ def _attention_class(modeling: types.ModuleType, original: type) -> type:
         # Unpickled (torch.load, possibly in another process) or deep-copied: nothing else may hold the rope
         # swap for this module, so it holds it itself, until it is collected or its model unpatched.
         original.__setstate__(self, state)
-        _hold(modeling, "apply_rotary_pos_emb", _rope_dispatcher(modeling), self)
+        _hold(modeling, "apply_rotary_pos_emb", _rope_dispatcher(family, modeling), self)
 
     return _fused_subclass(original, forward, __setstate__=__setstate__)
 
@@ -412,15 +551,16 @@ def _attention_class(modeling: types.ModuleType, original: type) -> type:
 _DISPATCHERS: dict[types.ModuleType, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
-def _rope_dispatcher(modeling: types.ModuleType) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def _rope_dispatcher(family: _Family, modeling: types.ModuleType) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """What replaces ``modeling.apply_rotary_pos_emb``: the fused kernel inside a fused attention's
     forward, transformers' function in every other model of the family."""
     if modeling not in _DISPATCHERS:
         original = _original(modeling, "apply_rotary_pos_emb")
+        fused = _fused_half_table_rotary_pos_emb if family.rope_half_tables else _fused_rotary_pos_emb
 
         @functools.wraps(original)
         def apply_rotary_pos_emb(*args, **kwargs):
-            return (_fused_rotary_pos_emb if _FusedRope.depth else original)(*args, **kwargs)
+            return (fused if _FusedRope.depth else original)(*args, **kwargs)
 
         _DISPATCHERS[modeling] = apply_rotary_pos_emb
     return _DISPATCHERS[modeling]
@@ -459,27 +599,33 @@ def _causal_lm_forward(
     signature = inspect.signature(original)  # follows __wrapped__ through transformers' decorators
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
-    @functools.wraps(original)
-    def forward(self, *args, **kwargs):
+    def run(self, fallback: Callable[..., Any] | None, args: tuple, kwargs: dict[str, Any]):
+        """This forward on one call, where every call the loss does not take goes to ``fallback`` (a forward that
+        another library set on the instance before patch) or, when it is None, to transformers' ``original``."""
         skip_logits = kwargs.pop("skip_logits", None)
         bound = signature.bind(self, *args, **kwargs)
-        if bound.arguments.get("labels") is None:
-            if skip_logits:
-                raise ValueError("skip_logits=True computes the loss without logits: expected labels")
-            return original(self, *args, **kwargs)
+        has_labels = bound.arguments.get("labels") is not None
+        if skip_logits and not has_labels:
+            raise ValueError("skip_logits=True computes the loss without logits: expected labels")
         use_fused = fused and (self.training if skip_logits is None else skip_logits)
-        if not use_fused and not cross_entropy:
-            return original(self, *args, **kwargs)
+        takes = has_labels and (use_fused or cross_entropy)
         router_logits = bound.arguments.get("output_router_logits")
-        if router_logits or (router_logits is None and getattr(self.config, "output_router_logits", False)):
+        if takes and (router_logits or (router_logits is None and getattr(self.config, "output_router_logits", False))):
             # A mixture of experts adding its router's load-balancing loss: transformers' forward, said aloud.
             _report_fallback(type(self).__name__, "output_router_logits adds the router's load-balancing loss")
-            return original(self, *args, **kwargs)
+            takes = False
+        if not takes:
+            return original(self, *args, **kwargs) if fallback is None else fallback(*args, **kwargs)
         arguments = dict(bound.arguments)
         del arguments[next(iter(signature.parameters))]  # self
         extra = arguments.pop(var_keyword, {}) if var_keyword else {}
         return _loss_forward(self, arguments, extra, fused=use_fused, chunk_tokens=chunk_tokens)
 
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        return run(self, None, args, kwargs)
+
+    forward.liger_lab_run = run
     forward.liger_lab_patched = True
     forward.liger_lab_fused = fused
     return forward
@@ -502,14 +648,58 @@ def _loss_forward_of(model_type: str, fused: bool, cross_entropy: bool, chunk_to
 
 
 def _causal_lm(family: _Family, modeling: types.ModuleType) -> type:
-    return getattr(modeling, f"{family.prefix}ForCausalLM")
+    return getattr(modeling, family.name("ForCausalLM"))
+
+
+def _has_accelerate_hook(module: nn.Module) -> bool:
+    """Whether accelerate's hooks wrap ``module`` (``add_hook_to_module``, which ``dispatch_model`` and
+    ``cpu_offload`` use): the instance's ``forward`` is then accelerate's, which calls the forward it wrapped, kept
+    in ``_old_forward``, between the hook's ``pre_forward`` (inputs to the execution device, offloaded weights
+    loaded) and ``post_forward``."""
+    return "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__
+
+
+def _forward_slot(module: nn.Module) -> str:
+    """The instance attribute holding the forward that a call of ``module`` ends in: ``_old_forward`` under
+    accelerate's hooks, so that they keep running around whatever is put there; ``forward`` otherwise."""
+    return "_old_forward" if _has_accelerate_hook(module) else "forward"
+
+
+def _is_class_forward(module: nn.Module, forward: object) -> bool:
+    """Whether ``forward`` is the module's class forward bound to it (what accelerate keeps of a module it hooks)."""
+    bound = isinstance(forward, types.MethodType) and forward.__self__ is module
+    return bound and forward.__func__ is type(module).forward
+
+
+def _own_keywords(forward: Callable[..., Any], class_forward: Callable[..., Any]) -> frozenset[str]:
+    """The keywords that ``forward`` (another library's, set on the instance) names and transformers' forward does
+    not, nor the fused loss (TRL's ``fused_lm_head``): a call that passes one is that library's own call."""
+    try:  # its own parameters, not those of the forward it says it wraps (functools.wraps)
+        theirs = inspect.signature(forward, follow_wrapped=False).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: every call is treated as transformers'
+        return frozenset()
+    named = {p.name for p in theirs if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return frozenset(named - set(inspect.signature(class_forward).parameters) - {*_LOSS_KWARGS, "skip_logits"})
 
 
 class _BoundForward:
     """A patched model's own ``forward``: its family's fused-loss forward bound to it, like a method (it has
     ``__self__``, ``__func__`` and the wrapped forward's signature, which the Trainer reads to pick the
     dataset columns). Unlike a bound method of a function made at patch time, it pickles and deep-copies:
-    as the model and the options that choose the function."""
+    as the model and the options that choose the function.
+
+    It stands in the model's forward slot (:func:`_forward_slot`) in place of ``displaced``, what the instance held
+    there (None: nothing), which :meth:`put_back` restores. A ``displaced`` forward other than the class's own is
+    another library's (TRL's ``add_fused_lm_head``): it is ``kept`` and gets every call the fused loss does not take,
+    and every call passing one of the keywords only it names. After unpatch the object may still be called, by a
+    forward another library set after patch around it (TRL's keeps the one it wrapped): it is then inactive and
+    passes every call to what it displaced, so the model computes what it did before patch."""
+
+    # Class-level defaults: a patched model pickled before these existed loads as one patched on a bare forward.
+    displaced: Callable[..., Any] | None = None
+    kept: Callable[..., Any] | None = None
+    kept_keywords: frozenset[str] = frozenset()
+    active: bool = True
 
     def __init__(
         self, model: nn.Module, model_type: str, *, fused: bool, cross_entropy: bool, chunk_tokens: int | None
@@ -519,6 +709,10 @@ class _BoundForward:
         self.fused = fused
         self.cross_entropy = cross_entropy
         self.chunk_tokens = chunk_tokens
+        self.displaced = model.__dict__.get(_forward_slot(model))
+        if self.displaced is not None and not _is_class_forward(model, self.displaced):
+            self.kept = self.displaced
+            self.kept_keywords = _own_keywords(self.kept, self.__func__)
         self._make_function()
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # unpickled or deep-copied
@@ -539,10 +733,44 @@ class _BoundForward:
         return inspect.signature(types.MethodType(self.__func__, self.__self__))
 
     def __call__(self, *args, **kwargs):
-        return self.__func__(self.__self__, *args, **kwargs)
+        if not self.active:
+            return self._before_patch()(*args, **kwargs)
+        if self.kept is not None and not self.kept_keywords.isdisjoint(kwargs):
+            return self.kept(*args, **kwargs)
+        return self.__func__.liger_lab_run(self.__self__, self.kept, args, kwargs)
+
+    def _before_patch(self) -> Callable[..., Any]:
+        """What the forward slot held before patch: the displaced forward, else the class's own bound to the model."""
+        model = self.__self__
+        return self.displaced if self.displaced is not None else types.MethodType(type(model).forward, model)
+
+    def put_back(self, slot: str) -> None:
+        """Deactivate, and give ``slot`` of the model (where this object is now: accelerate may have moved it from
+        ``forward`` to ``_old_forward`` by hooking the model after patch) what it held before patch."""
+        self.active = False
+        if slot == "forward" and self.displaced is None:
+            delattr(self.__self__, "forward")
+        else:
+            setattr(self.__self__, slot, self._before_patch())
 
     def __repr__(self) -> str:
         return f"<liger_lab forward of {type(self.__self__).__name__}>"
+
+
+# Each patched model's _BoundForward (weakly): found here after another library set its own forward around it.
+_PATCHED_FORWARDS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[_BoundForward]] = weakref.WeakKeyDictionary()
+
+
+def _patched_forward(model: nn.Module) -> _BoundForward | None:
+    """The model's active :class:`_BoundForward`, wherever it is: in a forward slot of the instance (a copy or an
+    unpickled model finds its own there), or inside a forward another library set around it after patch."""
+    for slot in ("forward", "_old_forward"):
+        forward = model.__dict__.get(slot)
+        if isinstance(forward, _BoundForward) and forward.__self__ is model and forward.active:
+            return forward
+    reference = _PATCHED_FORWARDS.get(model)
+    forward = reference() if reference is not None else None
+    return forward if forward is not None and forward.active else None
 
 
 @dataclass(frozen=True)
@@ -658,22 +886,36 @@ def _is_fsdp_unit(module: nn.Module) -> bool:
 
 
 def _as_forward_of(module: nn.Module, compute: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
-    """``compute(x)`` run as ``module``'s forward when ``module`` is an FSDP2 unit, else directly.
+    """``compute(x)`` run as ``module``'s forward when ``module`` is an FSDP2 unit or wrapped by accelerate's
+    hooks, else directly.
 
     A sharded ``lm_head`` (FSDP2's ``fully_shard(model.lm_head)``) holds a shard of its weight outside its
     call: the hooks FSDP2 registers gather the full weight before the forward and reshard it after, and
-    again around the backward, where they also reduce-scatter its gradient. The fused loss reads the weight
-    without calling the module, so it borrows the call: the module's ``forward`` is ``compute`` for the
-    duration, and the hooks run around it as around the matmul they expected (casting ``x`` too, under a
-    mixed-precision policy). Any other module is not touched: a hook of its own (one that logs the logits, say)
-    expects logits, not a loss, so it does not run, as when the fused loss reads the weight directly."""
-    if not _is_fsdp_unit(module):
+    again around the backward, where they also reduce-scatter its gradient. An ``lm_head`` under accelerate's
+    hooks (``dispatch_model``, ``cpu_offload``) gets its input moved to its device, and an offloaded weight
+    loaded, by the hook around its call. The fused loss reads the weight without calling the module, so it borrows
+    the call: the forward the call ends in (:func:`_forward_slot`) is ``compute`` for the duration, and the hooks
+    run around it as around the matmul they expected (casting ``x`` too, under a mixed-precision policy). Then the
+    instance gets back exactly what it held. Any other module is not touched: a hook of its own (one that logs the
+    logits, say) expects logits, not a loss, so it does not run, as when the fused loss reads the weight directly."""
+    if not (_is_fsdp_unit(module) or _has_accelerate_hook(module)):
         return compute(x)
-    module.forward = compute
+    slot = _forward_slot(module)
+    held = module.__dict__.get(slot)  # accelerate's wrapped forward, or None: the class's forward
+    setattr(module, slot, compute)
     try:
         return module(x)
     finally:
-        del module.forward
+        if held is None:
+            delattr(module, slot)
+        else:
+            setattr(module, slot, held)
+
+
+def _final_norm(base: nn.Module) -> tuple[nn.Module, ...]:
+    """The norm whose output is the base model's last hidden state (``norm`` in every family here), if any."""
+    norm = getattr(base, "norm", None)
+    return (norm,) if isinstance(norm, nn.Module) else ()
 
 
 def _loss_forward(
@@ -686,7 +928,10 @@ def _loss_forward(
     logits_to_keep = arguments.pop("logits_to_keep", 0)
     return_dict = extra.pop("return_dict", None)
     loss_kwargs = {name: extra.pop(name) for name in _LOSS_KWARGS if name in extra}
-    outputs = getattr(self, self.base_model_prefix)(**arguments, **extra)
+    base = getattr(self, self.base_model_prefix, None)
+    if base is None:  # Llama 4's causal LM holds its base model as .model under its multimodal prefix, language_model
+        base = self.model
+    outputs = base(**arguments, **extra)
 
     kept = _keep_positions(outputs[0], logits_to_keep)
     hidden = kept.reshape(-1, kept.shape[-1])
@@ -727,7 +972,7 @@ def _loss_forward(
             return flce_ops.fused_linear_cross_entropy(
                 hidden,
                 weight,
-                target,
+                target.to(hidden.device),  # the head's hook (accelerate's) may have moved hidden to the head's GPU
                 bias,
                 ignore_index=ignore_index,
                 reduction=reduction,
@@ -735,10 +980,14 @@ def _loss_forward(
                 chunk_tokens=chunk,
                 loss_dtype=torch.float32,
                 # The final norm's output is read by this loss alone, unless the caller asked for the hidden
-                # states (they include it): then it must stay intact. A LoRA head's concatenation is the loss's
-                # own (the adapter reads the norm's output, which stays intact).
+                # states (they include it) or a hook may have kept it: then it must stay intact. A LoRA head's
+                # concatenation is the loss's own (the adapter reads the norm's output, which stays intact).
                 in_place_backward=lora is not None
-                or (not isinstance(outputs, tuple) and getattr(outputs, "hidden_states", None) is None),
+                or (
+                    not isinstance(outputs, tuple)
+                    and getattr(outputs, "hidden_states", None) is None
+                    and not outputs_observed(base, *_final_norm(base))
+                ),
             )
 
         loss = _as_forward_of(head, fused_loss, hidden)
@@ -758,7 +1007,9 @@ def _loss_forward(
 
     # The fields of CausalLMOutputWithPast besides loss and logits, named (torch.compile cannot trace
     # dataclasses.fields of it without a graph break).
-    carried = {name: getattr(outputs, name, None) for name in ("past_key_values", "hidden_states", "attentions")}
+    # The cache is ``cache`` in newer transformers, where reading ``past_key_values`` logs a deprecation.
+    cache = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+    carried = {name: getattr(outputs, name, None) for name in (cache, "hidden_states", "attentions")}
     output = CausalLMOutputWithPast(**carried, loss=loss, logits=logits)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
@@ -802,7 +1053,7 @@ def patch(
     ``model_or_model_type`` is a model type string (``"llama"``, one of :data:`FAMILIES`), which patches
     the family's classes, or a model instance (a PEFT wrapper is looked through), patched in place with
     its parameters and state dict unchanged. ``swiglu`` covers the gated MLP of every family (GeGLU for
-    Gemma) and the SiLU experts of a mixture of experts run by transformers' eager loop.
+    Gemma) and the SiLU (Gemma 4: tanh-GELU) experts of a mixture of experts run by transformers' eager loop.
     ``fused_linear_cross_entropy`` computes the training loss without logits;
     ``cross_entropy`` computes the loss from logits with the fused cross-entropy kernel whenever logits
     are returned with labels. ``loss_chunk_tokens`` sets the fused loss's chunk in tokens; by default it is
@@ -855,35 +1106,38 @@ def report(model: nn.Module) -> PatchReport:
     family = _family(model_type)
     replaced: dict[str, int] = {}
     experts: list[nn.Module] = []
+    kinds = {"RMSNorm": "RMSNorm", "MLP": "gated MLP (SwiGLU/GeGLU)", "Attention": "attention (RoPE)",
+             "DecoderLayer": "residual add into RMSNorm"}  # fmt: skip
+    kind_of = {f"Fused{family.name(suffix)}": kind for suffix, kind in kinds.items()}
     for module in model.modules():
         name = type(module).__name__
-        if name.removeprefix("Fused") == f"{family.prefix}Experts":
+        if name.removeprefix("Fused") == family.name("Experts"):
             experts.append(module)  # counted below, where the fused loop is what its forward runs
-        elif name.startswith(f"Fused{family.prefix}"):
-            kind = name.removeprefix(f"Fused{family.prefix}")
-            kind = {"RMSNorm": "RMSNorm", "MLP": "gated MLP (SwiGLU/GeGLU)", "Attention": "attention (RoPE)",
-                    "DecoderLayer": "residual add into RMSNorm"}[kind]  # fmt: skip
-            replaced[kind] = replaced.get(kind, 0) + 1
-    left_alone: dict[str, str] = {}
+        elif name in kind_of and not (kind_of[name] == "RMSNorm" and getattr(module, "weight", None) is None):
+            replaced[kind_of[name]] = replaced.get(kind_of[name], 0) + 1  # (a norm without weight runs transformers')
+    left_alone: dict[str, str] = dict(family.left_alone)
+    activation = getattr(model.config, family.act_attr, None)
     fused_experts = [m for m in experts if type(m) in _UNFUSED and _experts_fallback(family, m) is None]
     if fused_experts:
-        replaced["MoE experts (SwiGLU)"] = len(fused_experts)
-    elif experts:
+        replaced[f"MoE experts ({'GeGLU' if _gated_kernel(activation) is glu_ops.geglu else 'SwiGLU'})"] = len(
+            fused_experts
+        )
+    elif experts and family.experts:
         left_alone["experts"] = _experts_fallback(family, experts[0]) or "not patched (swiglu=False?)"
     if experts:
         left_alone["router"] = "transformers' own: top-k routing and its load-balancing loss are not fused"
-    mlp_names = (f"{family.prefix}MLP", f"Fused{family.prefix}MLP")
-    if not any(type(module).__name__ in mlp_names for module in model.modules()):
+    mlp_names = (family.name("MLP"), f"Fused{family.name('MLP')}")
+    if not family.mlp or not any(type(module).__name__ in mlp_names for module in model.modules()):
         left_alone["MLP"] = "no dense MLP: every layer is a mixture of experts"
     elif not replaced.get("gated MLP (SwiGLU/GeGLU)"):
-        activation = getattr(model.config, family.act_attr, None)
         no_kernel = f"activation {activation!r} has no fused kernel"
         left_alone["MLP"] = no_kernel if _gated_kernel(activation) is None else "not patched (swiglu=False?)"
-    if not family.rope:
-        left_alone["RoPE"] = "interleaved pairs, which the fused kernel does not rotate"
-    forward = model.__dict__.get("forward")
-    loss_forward = forward.__func__ if isinstance(forward, _BoundForward) else type(model).forward
+    forward = _patched_forward(model)
+    loss_forward = forward.__func__ if forward is not None else type(model).forward
     fused = getattr(loss_forward, "liger_lab_fused", None)  # None: transformers' own forward
+    if forward is not None and forward.kept is not None:
+        kept = _written_as(forward.kept)
+        left_alone["forward"] = f"{kept}, set on the model before patch, runs the calls the fused loss does not take"
     head = _fused_head(model.lm_head) if isinstance(getattr(model, "lm_head", None), nn.Module) else (
         "the model has no lm_head module")  # fmt: skip
     fallback = head if isinstance(head, str) else None
@@ -896,16 +1150,27 @@ def report(model: nn.Module) -> PatchReport:
     return PatchReport(model_type, replaced, left_alone)
 
 
+def _written_as(function: Callable[..., Any]) -> str:
+    """Where a function was defined, as ``name (file)``: a wrapper's ``__qualname__`` is often the wrapped one's
+    (functools.wraps copies it), which would name transformers' forward for TRL's."""
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
+    if code is None:
+        return type(function).__name__
+    return f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename.rpartition('site-packages/')[2]})"
+
+
 def _unwrap(model: object) -> nn.Module:
     """The transformers model inside ``model`` (itself, or the model a PEFT wrapper holds)."""
     from transformers import PreTrainedModel
 
     seen = model
-    for _ in range(4):  # PeftModel -> LoraModel -> the transformers model
+    for _ in range(5):  # torch.compile's OptimizedModule -> PeftModel -> LoraModel -> the transformers model
         if isinstance(model, PreTrainedModel):
             return model
         get_base_model = getattr(model, "get_base_model", None)
-        if callable(get_base_model):
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            inner = model._orig_mod  # its forward calls this module: patched in place, it runs patched
+        elif callable(get_base_model):
             inner = get_base_model()
         else:
             inner = getattr(getattr(model, "base_model", None), "model", None)
@@ -914,7 +1179,7 @@ def _unwrap(model: object) -> nn.Module:
         model = inner
     raise ValueError(
         f"cannot patch a {type(seen).__name__}: expected a model type string or a transformers PreTrainedModel "
-        "(possibly wrapped by PEFT)"
+        "(possibly wrapped by PEFT or torch.compile)"
     )
 
 
@@ -924,7 +1189,7 @@ _PIECES = {"RMSNorm": "rms_norm", "MLP": "swiglu", "Attention": "rope", "Decoder
 
 def _fused_piece(family: _Family, modeling: types.ModuleType, suffix: str) -> tuple[type, type]:
     """(transformers class, its fused subclass) for one piece of a family."""
-    original = _original(modeling, family.prefix + suffix)
+    original = _original(modeling, family.name(suffix))
     if suffix == "RMSNorm":
         return original, _norm_class(family, original)
     if suffix == "MLP":
@@ -933,13 +1198,13 @@ def _fused_piece(family: _Family, modeling: types.ModuleType, suffix: str) -> tu
         return original, _decoder_layer_class(original)
     if suffix == "Experts":
         return original, _experts_class(family, original)
-    return original, _attention_class(modeling, original)
+    return original, _attention_class(family, modeling, original)
 
 
 def _fused_classes(family: _Family, modeling: types.ModuleType, options: _Options) -> dict[str, tuple[type, type]]:
     """Name in the modeling module -> (transformers class, its fused subclass), for the pieces asked for."""
     return {
-        family.prefix + suffix: _fused_piece(family, modeling, suffix)
+        family.name(suffix): _fused_piece(family, modeling, suffix)
         for suffix, option in _PIECES.items()
         if getattr(options, option) and suffix in family.pieces
     }
@@ -950,7 +1215,7 @@ def _patch_family(model_type: str, options: _Options) -> None:
     record = _FAMILY_PATCHES[model_type] = _FamilyPatch()
     replacements = [(modeling, name, fused) for name, (_, fused) in _fused_classes(family, modeling, options).items()]
     if options.rope and family.rope:
-        replacements.append((modeling, "apply_rotary_pos_emb", _rope_dispatcher(modeling)))
+        replacements.append((modeling, "apply_rotary_pos_emb", _rope_dispatcher(family, modeling)))
     if options.loss:
         forward = _loss_forward_of(
             model_type, options.fused_linear_cross_entropy, options.cross_entropy, options.loss_chunk_tokens
@@ -968,36 +1233,47 @@ def _unpatch_family(model_type: str) -> None:
         _release(owner, name, record)
 
 
+def _set_class(module: nn.Module, cls: type) -> None:
+    """``module.__class__ = cls``, and a forward of the old class bound to the instance follows: accelerate's hooks
+    keep the forward they wrapped in ``_old_forward`` (and ``remove_hook_from_module`` puts it in ``forward``), a
+    bound method that would go on running the class the module had when it was hooked."""
+    bound = [slot for slot in ("forward", "_old_forward") if _is_class_forward(module, module.__dict__.get(slot))]
+    module.__class__ = cls
+    for slot in bound:
+        setattr(module, slot, types.MethodType(cls.forward, module))
+
+
 def _patch_model(model: nn.Module, options: _Options) -> None:
     model_type = getattr(model.config, "model_type", None)
     family, modeling = _family(model_type), _modeling(model_type)
     classes = _fused_classes(family, modeling, options)
     activation = getattr(model.config, family.act_attr, None)
-    # The dense MLP has SwiGLU and GeGLU kernels; the experts, the SwiGLU one.
-    no_kernel = {"MLP": _gated_kernel(activation) is None, "Experts": activation not in SwiGLUMLP.hf_activations}
-    for piece, missing in no_kernel.items():
-        name = f"{family.prefix}{piece}"
-        if missing and name in classes:
+    # The dense MLP and the experts have SwiGLU and GeGLU kernels.
+    for piece in ("MLP", "Experts"):
+        name = family.name(piece)
+        if _gated_kernel(activation) is None and name in classes:
             message = f"no fused kernel for the {piece} activation {activation!r}: {name} stays as it is"
             warnings.warn(message, stacklevel=3)
             del classes[name]
     fused_of = dict(classes.values())
     for name, module in model.named_modules():
         fused = fused_of.get(type(module))
-        if fused is None:
-            continue
-        module.__class__ = fused
+        if fused is None or (fused.__name__.endswith("RMSNorm") and getattr(module, "weight", None) is None):
+            continue  # a norm without weight (Gemma 4's with_scale=False) keeps transformers' class
+        _set_class(module, fused)
         if fused.__name__.endswith("RMSNorm") and name.rpartition(".")[2] in family.in_place_norms:
             module.in_place_backward = True
     if options.rope and family.rope:
-        _hold(modeling, "apply_rotary_pos_emb", _rope_dispatcher(modeling), model)
+        _hold(modeling, "apply_rotary_pos_emb", _rope_dispatcher(family, modeling), model)
     causal_lm = _causal_lm(family, modeling)
     # A subclass with its own forward, or a family patched at class level, keeps the forward it has.
     if options.loss and isinstance(model, causal_lm) and type(model).forward is _original(causal_lm, "forward"):
-        model.forward = _BoundForward(
+        forward = _BoundForward(
             model, model_type, fused=options.fused_linear_cross_entropy, cross_entropy=options.cross_entropy,
             chunk_tokens=options.loss_chunk_tokens,
         )  # fmt: skip
+        setattr(model, _forward_slot(model), forward)
+        _PATCHED_FORWARDS[model] = weakref.ref(forward)
 
 
 def _unpatch_model(model: nn.Module) -> None:
@@ -1007,11 +1283,17 @@ def _unpatch_model(model: nn.Module) -> None:
     for module in model.modules():
         original = _UNFUSED.get(type(module))
         if original is not None:
-            module.__class__ = original
+            _set_class(module, original)
             module.__dict__.pop("in_place_backward", None)
             _release(modeling, "apply_rotary_pos_emb", module)  # held by an unpickled fused attention
-    if isinstance(model.__dict__.get("forward"), _BoundForward):
-        del model.forward
+    for slot in ("forward", "_old_forward"):
+        forward = model.__dict__.get(slot)
+        if isinstance(forward, _BoundForward) and forward.__self__ is model:
+            forward.put_back(slot)
+    reference = _PATCHED_FORWARDS.pop(model, None)
+    buried = reference() if reference is not None else None
+    if buried is not None:  # inside a forward another library set after patch, which still calls it
+        buried.active = False
     _release(modeling, "apply_rotary_pos_emb", model)
 
 
@@ -1020,7 +1302,7 @@ def __getattr__(name: str) -> type:
     patched module here, also in a process that has patched nothing yet."""
     for model_type, family in FAMILIES.items():
         for suffix in family.pieces:
-            if name == f"Fused{family.prefix}{suffix}":
+            if name == f"Fused{family.name(suffix)}":
                 try:
                     modeling = _modeling(model_type)
                 except ImportError as error:  # a transformers without this family

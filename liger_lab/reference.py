@@ -126,14 +126,16 @@ def jsd(
     beta: float = 0.5,
     temperature: float = 1.0,
     ignore_index: int = -100,
+    num_items_in_batch: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """Generalized Jensen-Shannon divergence of TRL's GKD trainer (``generalized_jsd_loss``).
 
     P = softmax(teacher / T), Q = softmax(student / T); per row KL(P || Q) for beta == 0, KL(Q || P) for
     beta == 1, else beta * KL(P || M) + (1 - beta) * KL(Q || M) with M = beta * P + (1 - beta) * Q. The mean
     over rows whose target is not ``ignore_index`` (every row when ``target`` is None); no T**2 factor.
-    Every row ignored gives 0, with a zero gradient. The teacher is a constant (detached). Math in fp32, or
-    fp64 when either input is fp64; the loss has that dtype (float32 for fp32/fp16/bf16 logits).
+    Every row ignored gives 0, with a zero gradient. ``num_items_in_batch``: the sum over the kept rows divided by
+    it instead, unclamped (TRL's ``jsd_sum / num_items_in_batch``). The teacher is a constant (detached). Math in
+    fp32, or fp64 when either input is fp64; the loss has that dtype (float32 for fp32/fp16/bf16 logits).
     """
     compute_dtype = torch.promote_types(torch.promote_types(student_logits.dtype, teacher_logits.dtype), torch.float32)
     vocab = student_logits.shape[-1]
@@ -153,6 +155,8 @@ def jsd(
     else:
         keep = target.reshape(-1) != ignore_index
     d = torch.where(keep, d, torch.zeros_like(d))
+    if num_items_in_batch is not None:
+        return d.sum() / torch.as_tensor(num_items_in_batch, device=d.device).to(compute_dtype).reshape(())
     return d.sum() / keep.sum().clamp(min=1)
 
 
@@ -166,13 +170,15 @@ def fused_linear_jsd(
     beta: float = 0.5,
     temperature: float = 1.0,
     ignore_index: int = -100,
+    num_items_in_batch: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """:func:`jsd` of the two heads' logits, ``student_hidden @ student_weight.T`` and
     ``teacher_hidden @ teacher_weight.T`` (hidden sizes may differ): what the fused kernel never materialises.
     The teacher's head is a constant."""
     student_logits = F.linear(student_hidden, student_weight)
     teacher_logits = F.linear(teacher_hidden.detach(), teacher_weight.detach())
-    return jsd(student_logits, teacher_logits, target, beta=beta, temperature=temperature, ignore_index=ignore_index)
+    return jsd(student_logits, teacher_logits, target, beta=beta, temperature=temperature, ignore_index=ignore_index,
+               num_items_in_batch=num_items_in_batch)  # fmt: skip
 
 
 # Preference losses: hidden (2B, T, H), rows [0, B) chosen and [B, 2B) rejected responses to the same prompts.
@@ -197,35 +203,79 @@ def _mean_over_pairs(terms: torch.Tensor) -> torch.Tensor:
     return terms.sum() / max(terms.shape[0], 1)
 
 
+def _reference_sequence_logps(
+    ref_hidden: torch.Tensor | None,
+    ref_weight: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A frozen reference's per-sequence logp: from its head without gradient, or the precomputed ``ref_logps``."""
+    if ref_logps is not None:
+        return ref_logps.detach().to(dtype)
+    with torch.no_grad():
+        return sequence_logps(ref_hidden.detach(), ref_weight.detach(), target, ignore_index)[0].to(dtype)
+
+
 def fused_linear_dpo(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    ref_hidden: torch.Tensor,
-    ref_weight: torch.Tensor,
+    ref_hidden: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
     *,
     beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    ref_logps: torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """DPO (sigmoid loss): mean over pairs of -logsigmoid(beta * ((logp_c - ref_c) - (logp_r - ref_r))), the
-    reference's logps from ``ref_hidden @ ref_weight.T`` without gradient."""
+    """TRL 1.16's ``DPOTrainer`` loss (``f_divergence_type="reverse_kl"``, one loss type, no weighting): with the
+    log-ratios chosen - ref_chosen and rejected - ref_rejected and delta their difference, the mean over pairs of
+    sigmoid -logsigmoid(beta delta); hinge relu(1 - beta delta); ipo (the log-ratios over the completion lengths,
+    clamped at 1, their difference - 1 / (2 beta))**2; robust (-(1 - ls) logsigmoid(beta delta)
+    + ls logsigmoid(-beta delta)) / (1 - 2 ls). The reference's logps from ``ref_hidden @ ref_weight.T`` without
+    gradient, or ``ref_logps`` (2B,), chosen then rejected."""
     n_pairs = hidden.shape[0] // 2
-    logp, _ = sequence_logps(hidden, weight, target, ignore_index)
-    with torch.no_grad():
-        ref, _ = sequence_logps(ref_hidden.detach(), ref_weight.detach(), target, ignore_index)
-    margin = (logp[:n_pairs] - ref[:n_pairs]) - (logp[n_pairs:] - ref[n_pairs:])
-    return _mean_over_pairs(-F.logsigmoid(beta * margin))
+    logp, count = sequence_logps(hidden, weight, target, ignore_index)
+    ref = _reference_sequence_logps(ref_hidden, ref_weight, ref_logps, target, ignore_index, logp.dtype)
+    chosen_logratios = logp[:n_pairs] - ref[:n_pairs]
+    rejected_logratios = logp[n_pairs:] - ref[n_pairs:]
+    delta_score = chosen_logratios - rejected_logratios
+    if loss_type == "sigmoid":
+        per_sequence_loss = -F.logsigmoid(beta * delta_score)
+    elif loss_type == "hinge":
+        per_sequence_loss = torch.relu(1 - beta * delta_score)
+    elif loss_type == "ipo":
+        lengths = count.clamp(min=1)
+        ipo_delta = chosen_logratios / lengths[:n_pairs] - rejected_logratios / lengths[n_pairs:]
+        per_sequence_loss = (ipo_delta - 1 / (2 * beta)) ** 2
+    else:  # robust
+        clean_loss_term = -(1 - label_smoothing) * F.logsigmoid(beta * delta_score)
+        flipped_loss_term = -label_smoothing * F.logsigmoid(-beta * delta_score)
+        per_sequence_loss = (clean_loss_term - flipped_loss_term) / (1 - 2 * label_smoothing)
+    return _mean_over_pairs(per_sequence_loss)
 
 
 def fused_linear_orpo(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, beta: float = 0.1, ignore_index: int = -100
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    nll_target: torch.Tensor | None = None,
+    ignore_index: int = -100,
 ) -> torch.Tensor:
-    """ORPO: the chosen sequences' NLL averaged over their kept tokens, minus beta * mean over pairs of
-    logsigmoid(odds_c - odds_r), odds = avg - log(1 - exp(avg)) with avg = logp / max(count, 1) capped at
-    :data:`ORPO_MAX_AVG_LOGP`."""
+    """ORPO: the chosen sequences' NLL averaged over their kept tokens (of ``nll_target`` (B, T) when given: TRL's
+    ORPOTrainer takes it over prompt and response), minus beta * mean over pairs of logsigmoid(odds_c - odds_r),
+    odds = avg - log(1 - exp(avg)) with avg = logp / max(count, 1) capped at :data:`ORPO_MAX_AVG_LOGP`."""
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
-    nll = -logp[:n_pairs].sum() / count[:n_pairs].sum().clamp(min=1)
+    nll_logp, nll_count = logp[:n_pairs], count[:n_pairs]
+    if nll_target is not None:
+        nll_logp, nll_count = sequence_logps(hidden[:n_pairs], weight, nll_target, ignore_index)
+    nll = -nll_logp.sum() / nll_count.sum().clamp(min=1)
     avg = (logp / count.clamp(min=1)).clamp(max=ORPO_MAX_AVG_LOGP)
     log_1m_p = torch.where(avg > -0.6931471805599453, torch.log(-torch.expm1(avg)), torch.log1p(-torch.exp(avg)))
     odds = avg - log_1m_p
@@ -246,3 +296,183 @@ def fused_linear_simpo(
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
     avg = logp / count.clamp(min=1)
     return _mean_over_pairs(-F.logsigmoid(beta * (avg[:n_pairs] - avg[n_pairs:]) - gamma))
+
+
+# The RL head and the GRPO family (TRL 1.16's GRPOTrainer._compute_loss on one micro-batch).
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log_softmax(z)[target] and, with ``entropy``, -(softmax(z) * log_softmax(z)).sum(-1), for
+    z = (hidden @ weight.T + bias) / temperature; both 0 where target is ``ignore_index``. Math in fp32 (fp64 for
+    fp64 input)."""
+    logits = F.linear(hidden, weight, bias)
+    log_p = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).log_softmax(-1)
+    keep = target != ignore_index
+    zero = log_p.new_zeros(())
+    logp = torch.where(keep, log_p.gather(-1, torch.where(keep, target, 0).unsqueeze(-1)).squeeze(-1), zero)
+    if not entropy:
+        return logp
+    return logp, torch.where(keep, -(log_p.exp() * log_p).sum(-1), zero)
+
+
+def fused_linear_grpo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    max_completion_length: int | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` (grpo, bnpo, dr_grpo, dapo, cispo; token or sequence importance
+    sampling; the delta clamp; the k3 KL term) on the plain logits of ``hidden @ weight.T / temperature``.
+
+    hidden (B, T, H) at completion positions, target (B, T) the completion tokens with ``ignore_index`` at padding
+    (TRL's completion_mask), advantages (B,) or (B, T), old_logps and ref_logps (B, T) or None: constants, like the
+    advantages. One difference from TRL's text, none in value: a masked product ``x * mask`` is written
+    ``where(mask, x, 0)``, equal wherever x is finite, so that padding positions (whose logp is 0 here) contribute 0
+    whatever old_logps and ref_logps hold there. The loss over no sequence at all is 0 (TRL's mean gives nan)."""
+    per_token_logps = fused_linear_logprobs(hidden, weight, target, temperature=temperature, ignore_index=ignore_index)
+    dtype = per_token_logps.dtype
+    keep = target != ignore_index
+    mask = keep.to(dtype)
+    masked = lambda x: torch.where(keep, x, torch.zeros((), dtype=dtype, device=x.device))  # noqa: E731
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    advantages = advantages.detach().to(dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    old = per_token_logps.detach() if old_logps is None else old_logps.detach().to(dtype)
+    log_ratio = per_token_logps - old
+    if importance_sampling_level == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = (masked(log_ratio).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+    if loss_type == "cispo":
+        per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * advantages * per_token_logps
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if beta != 0.0:
+        ref = ref_logps.detach().to(dtype)
+        per_token_loss = per_token_loss + beta * (torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1)
+    per_token_loss = masked(per_token_loss)
+    if loss_type == "grpo":
+        per_sequence = per_token_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return per_sequence.sum() / max(per_sequence.shape[0], 1)
+    if loss_type == "bnpo":
+        return per_token_loss.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        length = target.shape[1] if max_completion_length is None else max_completion_length
+        return per_token_loss.sum() / max(per_token_loss.shape[0] * length, 1)
+    normalizer = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=mask.device)
+    return per_token_loss.sum() / normalizer.to(dtype).clamp(min=1.0)
+
+
+# KTO and CPO (TRL 1.16's KTOTrainer and trl.experimental.cpo.CPOTrainer on one micro-batch).
+
+
+def fused_linear_kto(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    label: torch.Tensor,
+    ref_hidden: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
+    *,
+    ref_logps: torch.Tensor | None = None,
+    kl: torch.Tensor | float | None = None,
+    kl_logps: torch.Tensor | None = None,
+    ref_kl_logps: torch.Tensor | None = None,
+    beta: float = 0.1,
+    loss_type: str = "kto",
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """TRL 1.16's ``KTOTrainer`` loss, its text: hidden (B, T, H) completions, ``label`` (B,) nonzero for the
+    desirable ones; the KL estimate ``kl`` as given, or (kl_logps - ref_kl_logps).mean().clamp(min=0), or 0; the
+    weighted per-completion losses concatenated (desirable first) and averaged (0 for no completion at all, where
+    TRL's nanmean is NaN). The reference's logps from its head without gradient, or ``ref_logps`` (B,)."""
+    logps, _ = sequence_logps(hidden, weight, target, ignore_index)
+    ref = _reference_sequence_logps(ref_hidden, ref_weight, ref_logps, target, ignore_index, logps.dtype)
+    if kl is None and kl_logps is not None:
+        kl = (kl_logps.detach().to(logps.dtype) - ref_kl_logps.detach().to(logps.dtype)).mean().clamp(min=0)
+    kl = torch.as_tensor(0.0 if kl is None else kl, device=logps.device).detach().to(logps.dtype)
+    desirable = label != 0
+    chosen_logratios = logps[desirable] - ref[desirable]
+    rejected_logratios = logps[~desirable] - ref[~desirable]
+    if loss_type == "kto":
+        chosen_losses = 1 - torch.sigmoid(beta * (chosen_logratios - kl))
+        rejected_losses = 1 - torch.sigmoid(beta * (kl - rejected_logratios))
+    else:  # apo_zero_unpaired
+        chosen_losses = 1 - torch.sigmoid(beta * chosen_logratios)
+        rejected_losses = torch.sigmoid(beta * rejected_logratios)
+    losses = torch.cat((desirable_weight * chosen_losses, undesirable_weight * rejected_losses), 0)
+    return losses.sum() / max(losses.shape[0], 1)
+
+
+def fused_linear_cpo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    cpo_alpha: float = 1.0,
+    simpo_gamma: float = 0.5,
+    alpha: float = 0.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """TRL 1.16's ``CPOTrainer`` loss, its text: ``losses.mean() + cpo_alpha * nll_loss``, the sequence scores the
+    mean token log-probability for ipo and simpo (over max(count, 1) kept tokens, where TRL's 0 / 0 is NaN) and the
+    sum otherwise, AlphaPO's reward (1 - p^-alpha) / alpha when alpha != 0, and the NLL the chosen rows'
+    cross-entropy (0 when no chosen token is kept). "alphapo" is simpo with cpo_alpha = 0, as CPOConfig makes it."""
+    if loss_type == "alphapo":
+        loss_type, cpo_alpha = "simpo", 0.0
+    n_pairs = hidden.shape[0] // 2
+    logp, count = sequence_logps(hidden, weight, target, ignore_index)
+    if loss_type in ("ipo", "simpo"):
+        logp = logp / count.clamp(min=1)
+    policy_chosen_logps, policy_rejected_logps = logp[:n_pairs], logp[n_pairs:]
+    if alpha != 0.0:
+        chosen_rewards = (1 - torch.exp(policy_chosen_logps).pow(-alpha)) / alpha
+        rejected_rewards = (1 - torch.exp(policy_rejected_logps).pow(-alpha)) / alpha
+        logits = chosen_rewards - rejected_rewards
+    else:
+        logits = policy_chosen_logps - policy_rejected_logps
+    if loss_type in ("sigmoid", "simpo"):
+        if loss_type == "simpo":
+            logits = logits - simpo_gamma / beta
+        losses = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * logits)
+    else:  # ipo
+        losses = (logits - 1 / (2 * beta)) ** 2
+    loss = _mean_over_pairs(losses)
+    if cpo_alpha != 0:
+        chosen_logp, chosen_count = sequence_logps(hidden[:n_pairs], weight, target[:n_pairs], ignore_index)
+        loss = loss + cpo_alpha * (-chosen_logp.sum() / chosen_count.sum().clamp(min=1))
+    return loss

@@ -12,6 +12,7 @@ kernel with ``print``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -88,6 +89,11 @@ if INTERPRET:
 DEVICE: torch.device = torch.device("cpu") if INTERPRET else torch.device("cuda")
 """The device liger_lab's kernels expect their tensors on."""
 
+HOST_READS_WAIT: bool = not INTERPRET
+"""Whether reading a tensor's values on the host (``.tolist()``, ``.item()``) waits for the device. On the GPU it
+does, every step, and a CUDA graph cannot capture it: the fused losses keep their counts and checks on the device
+there. In the interpreter tensors are host memory, so input checks may read values before any work."""
+
 BACKEND: str = "triton-interpreter (CPU)" if INTERPRET else "cuda"
 
 # The interpreter costs about a millisecond per program instance: keep CPU grids small and tiles big.
@@ -137,6 +143,31 @@ def check_device(**tensors: torch.Tensor) -> None:
             )
         if not INTERPRET and tensor.device.type != "cuda":
             raise ValueError(f"{name} is on {tensor.device}, but kernels run on the GPU here: expected a CUDA tensor")
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def device_context(device: torch.device) -> contextlib.AbstractContextManager:
+    """What a kernel launch for tensors on ``device`` runs in: that GPU made the current device, so Triton, which
+    launches on the current device and on torch's current stream of it, launches where the tensors are and after
+    the work queued to make them. Nothing on CPU (the interpreter), nor when that GPU is already current: the
+    common case, where a ``torch.cuda.device`` guard alone would add its Python to every launch."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return _NO_CONTEXT
+    return torch.cuda.device(device)
+
+
+def launch_kernel(kernel: Callable[..., object], grid: tuple[int, ...], *args: object, **kwargs: object) -> object:
+    """``kernel[grid](*args, **kwargs)`` on the device of its first tensor argument (:func:`device_context`).
+
+    Every launch in liger_lab goes through here. Triton itself launches on the current device whatever its
+    arguments' device: in a model split over GPUs in one process (``device_map="auto"``, layers placed by hand),
+    a layer on GPU 1 called while GPU 0 is current would launch on GPU 0 with pointers into GPU 1's memory, on
+    a stream unordered with the work that made its inputs."""
+    device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
+    with device_context(device):
+        return kernel[grid](*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -262,7 +293,7 @@ def read_later(values: torch.Tensor) -> Callable[[], list]:
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(values.device))  # the copy's stream, on the values' GPU
 
     def wait() -> list:
         copied.synchronize()

@@ -57,12 +57,19 @@ def test_fp32_loss_curves_match(model_type):
     assert_curves_match(ours, theirs, rtol=1e-3, atol=1e-5)
 
 
+# Families whose bf16 curves cross a step-wise tolerance on some seeds and not others though no expert of theirs is
+# fused: GPT-OSS and Llama 4 route tokens too; Qwen3.5's linear-attention recurrence amplifies a rounding difference
+# as a flipped expert choice does. On the H200 (2026-12-01, 3 seeds x 2 modes each) every patched bf16 curve stayed
+# within the bound below of the fp32 curve, at 0.46x to 3.3x transformers' own gap (within 2x + 0.01 in all 18).
+STEPWISE_SEED_DEPENDENT = {"gpt_oss", "llama4_text", "qwen3_5_text"}
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("model_type", sorted(patching.FAMILIES))
 @pytest.mark.parametrize("mode", ["bf16_weights", "autocast"])
 def test_bf16_loss_curves_match(model_type, mode):
     dtype = torch.bfloat16 if mode == "bf16_weights" else torch.float32
-    if patching.FAMILIES[model_type].experts:
+    if patching.FAMILIES[model_type].experts or model_type in STEPWISE_SEED_DEPENDENT:
         assert_moe_tracks_fp32_as_well(model_type, dtype=dtype, autocast=mode == "autocast")
         return
     ours, theirs = loss_curves(model_type, dtype=dtype, autocast=mode == "autocast", steps=50)

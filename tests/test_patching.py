@@ -22,6 +22,10 @@ VOCAB, BATCH, SEQ = 101, 2, 8
 LOSS_TOL = 1e-4
 GRAD_TOL = 1e-3
 
+# Qwen3.5's linear-attention layers at the tiny width.
+LINEAR_ATTENTION = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                    "linear_value_head_dim": 8}  # fmt: skip
+
 # Per family: what makes its tiny config exercise the family's peculiarities.
 FAMILY_CONFIG = {
     "llama": {},
@@ -42,6 +46,40 @@ FAMILY_CONFIG = {
                 "logits_scaling": 4.0},
     "smollm3": {"num_hidden_layers": 2, "no_rope_layers": [1, 0]},  # the second layer has no RoPE
     "glm4": {"partial_rotary_factor": 0.5},  # interleaved RoPE: not fused; fused gate_up_proj, post norms
+    # A linear-attention (Gated DeltaNet) layer, which never calls apply_rotary_pos_emb, then a full-attention one.
+    "qwen3_5_text": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+                     "partial_rotary_factor": 0.5, **LINEAR_ATTENTION},
+    "qwen3_5_moe_text": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+                         "partial_rotary_factor": 0.5, **LINEAR_ATTENTION, "num_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 24, "shared_expert_intermediate_size": 24,
+                         "experts_implementation": "eager"},
+    # Sliding and global layers (the global one with its own head_dim and partial RoPE), per-layer inputs, and the
+    # MLP beside a mixture of experts in every layer (26B-A4B's layout).
+    "gemma4_text": {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4,
+                    "global_head_dim": 16, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
+                    "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 24,
+                    "experts_implementation": "eager", "final_logit_softcapping": 2.0},
+    # Sliding and full layers; every layer a mixture of experts (left to transformers: clamped SwiGLU).
+    "gpt_oss": {"num_hidden_layers": 2, "sliding_window": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
+    # A dense layer with RoPE and chunked attention, then a mixture of experts without RoPE (temperature tuning).
+    "llama4_text": {"num_hidden_layers": 2, "interleave_moe_layer_step": 2, "intermediate_size": 24,
+                    "intermediate_size_mlp": 48, "num_local_experts": 4, "no_rope_layers": [1, 0],
+                    "attention_chunk_size": 4, "floor_scale": 4},
+    "olmo3": {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+    # Llama 4's query scaling starts at position original_max_position_embeddings: 4, inside the test's sequences.
+    "ministral3": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                                       "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0,
+                                       "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}},
+    # MLA (low-rank q and kv, one shared rope key head) over every head; a dense layer, then shared and routed
+    # experts under group-limited routing.
+    "deepseek_v3": {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "n_group": 2, "topk_group": 1, "moe_intermediate_size": 24, "kv_lora_rank": 16, "q_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "num_key_value_heads": 4,
+                    "experts_implementation": "eager"},
+    "glm4_moe": {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 24, "use_qk_norm": True, "partial_rotary_factor": 0.5,
+                 "experts_implementation": "eager"},
 }  # fmt: skip
 
 
@@ -69,7 +107,7 @@ def tiny_model(model_type: str, **overrides):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.normal_(0.0 if "gemma" in model_type else 1.0, 0.3)
+                param.normal_(0.0 if patching.FAMILIES[model_type].norm == "gemma" else 1.0, 0.3)  # w or 1 + w
     return model.train()
 
 
@@ -107,7 +145,7 @@ def test_every_family_trains_like_transformers(model_type):
     reference = tiny_model(model_type)
     model = liger_lab.patch(copy.deepcopy(reference))
     family = patching.FAMILIES[model_type]
-    assert fused_class_names(model) == {f"Fused{family.prefix}{piece}" for piece in family.pieces}
+    assert fused_class_names(model) == {f"Fused{family.name(piece)}" for piece in family.pieces}
     assert "forward" in model.__dict__
     ours, _ = assert_same_training_step(model, reference, *batch())
     assert ours.logits is None  # the fused loss never built them

@@ -1,5 +1,6 @@
 """DPO, ORPO and SimPO on the fused linear head, against float64 references (themselves checked against an
-independent transcription of TRL's formulas)."""
+independent transcription of TRL's formulas, and in tests/test_kto_cpo.py against TRL 1.16's own code): DPO's loss
+types and precomputed reference, ORPO's NLL positions, and the sequence scores returned for the metrics."""
 
 import math
 
@@ -161,6 +162,96 @@ def test_no_positions_at_all(loss):
     assert all(g.shape == t.shape and not g.any() for g, t in zip(grads, tensors[:2], strict=True))
 
 
+@pytest.mark.parametrize(
+    "loss_type, label_smoothing, empty",
+    [("hinge", 0.0, (1,)), ("ipo", 0.0, (4,)), ("robust", 0.0, ()), ("robust", 0.3, (0, 3))],
+)
+def test_dpo_loss_types_match_float64(loss_type, label_smoothing, empty):
+    tensors = inputs("dpo", empty=empty)
+    assert check("dpo", tensors, loss_type=loss_type, label_smoothing=label_smoothing, chunk_pairs=2)
+
+
+def _reference_logps(ref_hidden, ref_weight, target):
+    """The reference head's per-sequence logp, as ``precompute_ref_log_probs`` would have stored it (fp32)."""
+    return reference.sequence_logps(ref_hidden.double(), ref_weight.double(), target)[0].float()
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_precomputed_reference_logps(loss_type):
+    hidden, weight, target, ref_hidden, ref_weight = inputs("dpo", empty=(4,))
+    ref_logps = _reference_logps(ref_hidden, ref_weight, target)
+    assert check_against_reference(
+        "fused_linear_dpo",
+        lambda h, w, r: liger_lab.fused_linear_dpo(h, w, target, ref_logps=r, loss_type=loss_type, chunk_pairs=2),
+        lambda h, w, r: reference.fused_linear_dpo(h, w, target, ref_logps=r, loss_type=loss_type),
+        [hidden, weight, ref_logps],
+        input_names=["hidden", "weight", "ref_logps"],
+    )
+    # The same loss as from the reference head; no gradient reaches the given log-probabilities.
+    hidden.requires_grad_()
+    ref_logps.requires_grad_()
+    given = liger_lab.fused_linear_dpo(hidden, weight, target, ref_logps=ref_logps, loss_type=loss_type)
+    from_head = liger_lab.fused_linear_dpo(hidden, weight, target, ref_hidden, ref_weight, loss_type=loss_type)
+    torch.testing.assert_close(given, from_head, rtol=1e-5, atol=1e-6)
+    given.backward()
+    assert ref_logps.grad is None and hidden.grad is not None
+
+
+def nll_targets(target, n_pairs=B, vocab=V, prompt=2):
+    """ORPO's NLL targets as TRL's ORPOTrainer takes them: the chosen rows' targets with the prompt's positions
+    kept too (tokens of their own), padding still ignored."""
+    nll = target[:n_pairs].clone()
+    nll[:, :prompt] = torch.randint(0, vocab, (n_pairs, prompt), device=target.device)
+    return nll
+
+
+@pytest.mark.parametrize("chunk_pairs, empty", [(2, ()), (1, (1,)), (None, (0, 1, 2))])
+def test_orpo_nll_over_more_positions_than_the_odds(chunk_pairs, empty):
+    tensors = inputs("orpo", empty=empty)
+    nll_target = nll_targets(tensors[2])
+    assert check("orpo", tensors, nll_target=nll_target, chunk_pairs=chunk_pairs)
+    # nll_target equal to the chosen rows' targets is the default NLL.
+    with torch.no_grad():
+        same = liger_lab.fused_linear_orpo(*tensors, nll_target=tensors[2][:B].clone())
+        torch.testing.assert_close(same, liger_lab.fused_linear_orpo(*tensors), rtol=1e-6, atol=1e-7)
+
+
+def test_orpo_nll_target_disagreeing_with_target():
+    """A position both keep must name one token: a ValueError where the check is free, NaN loss and gradients on the
+    GPU's path (which reads nothing back)."""
+    hidden, weight, target = inputs("orpo")
+    nll_target = nll_targets(target)
+    nll_target[1, 4] = (target[1, 4] + 1) % V
+    with pytest.raises(ValueError, match="differs from target at 1 position"):
+        liger_lab.fused_linear_orpo(hidden, weight, target, nll_target=nll_target)
+    leaf = hidden.requires_grad_()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runtime, "HOST_READS_WAIT", True)
+        loss = liger_lab.fused_linear_orpo(leaf, weight, target, nll_target=nll_target)
+        loss.backward()
+    assert torch.isnan(loss) and torch.isnan(leaf.grad).all()
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_return_logps_gives_the_trainers_sequence_scores(loss):
+    """(loss, chosen_logps, rejected_logps[, ref_chosen, ref_rejected]): the summed log-probabilities for DPO, the
+    means for ORPO and SimPO (what each TRL trainer logs), float32, not differentiable; the loss is unchanged."""
+    tensors = inputs(loss, empty=(1,))
+    hidden, weight = (t.requires_grad_() for t in tensors[:2])
+    loss_value, *logps = ours(loss)(*tensors, return_logps=True, chunk_pairs=2)
+    assert torch.equal(loss_value, ours(loss)(*tensors, chunk_pairs=2))
+    assert len(logps) == (4 if loss == "dpo" else 2)
+    assert all(t.shape == (B,) and t.dtype == torch.float32 and not t.requires_grad for t in logps)
+    logp, count = reference.sequence_logps(hidden.detach().double(), weight.detach().double(), tensors[2])
+    expected = logp if loss == "dpo" else logp / count.clamp(min=1)
+    torch.testing.assert_close(torch.cat(logps[:2]).double(), expected, rtol=1e-5, atol=1e-5)
+    if loss == "dpo":
+        expected_ref = _reference_logps(*tensors[3:], tensors[2]).double()
+        torch.testing.assert_close(torch.cat(logps[2:]).double(), expected_ref, rtol=1e-5, atol=1e-5)
+    loss_value.backward()
+    assert hidden.grad is not None and weight.grad is not None
+
+
 # --------------------------------------------------------------------------------------------------
 # The references against TRL's definitions (an independent transcription, float64, no empty sequence).
 
@@ -264,7 +355,9 @@ def test_no_tensor_holds_the_logits_of_every_pair(loss):
     hidden, weight, target, *refs = inputs(loss, n_pairs=n_pairs, seq_len=seq_len, hidden=8, vocab=vocab)
     refs = refs or [None, None]
     with LargestNewTensor() as mode:
-        preference._forward(hidden, weight, target, *refs, loss, 0.1, 0.5, -100, 2, "fp32", [True, True])
+        options = preference.PreferenceOptions(loss, beta=0.1, gamma=0.5, nll_weight=float(loss == "orpo"))
+        preference._forward(hidden, weight, target, *refs, None, None, None, None, options, -100, 2, "fp32",
+                            [True, True])  # fmt: skip
     chunk_logits = 2 * 2 * seq_len * vocab  # two pairs per chunk
     assert mode.largest <= max(chunk_logits, weight.numel(), hidden.numel()) < 2 * n_pairs * seq_len * vocab
 
@@ -275,6 +368,10 @@ def test_pairs_per_chunk_follow_the_byte_budget():
     assert preference.chunk_pairs_for(8, 1024, 128256, torch.bfloat16, budget=3 * per_pair + 1) == 3
     assert preference.chunk_pairs_for(2, 1024, 128256, torch.bfloat16, budget=3 * per_pair) == 2
     assert preference.chunk_pairs_for(0, 0, 10, torch.float32) == 1
+
+
+def _zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=runtime.DEVICE)
 
 
 @pytest.mark.parametrize(
@@ -298,6 +395,19 @@ def test_pairs_per_chunk_follow_the_byte_budget():
         ("dpo", lambda h, w, t, rh, rw: (h, w, t, rh, rw[:-1]), {}, "vocabulary"),
         ("dpo", lambda h, w, t, rh, rw: (h, w, t, rh, rw[:, :-1]), {}, "ref_weight has shape"),
         ("dpo", lambda h, w, t, rh, rw: (h, w, t, rh.half(), rw), {}, "one dtype"),
+        ("dpo", lambda h, w, t, rh, rw: (h, w, t), {}, "needs a reference model"),
+        ("dpo", lambda h, w, t, rh, rw: (h, w, t, rh), {}, "needs a reference model"),
+        ("dpo", lambda h, w, t, rh, rw: (h, w, t, rh, rw), {"ref_logps": _zeros(2 * B)}, "not both"),
+        ("dpo", lambda h, w, t, rh, rw: (h, w, t), {"ref_logps": _zeros(B)}, "ref_logps has shape"),
+        ("dpo", lambda h, w, t, rh, rw: (h, w, t), {"ref_logps": _zeros(2 * B, dtype=torch.long)}, "floating"),
+        ("dpo", lambda h, w, t, rh, rw: (h, w, t, rh, rw), {"loss_type": "exo_pair"}, "loss_type"),
+        ("dpo", lambda h, w, t, rh, rw: (h, w, t, rh, rw), {"label_smoothing": 0.1}, "takes none"),
+        ("dpo", lambda h, w, t, rh, rw: (h, w, t, rh, rw), {"loss_type": "robust", "label_smoothing": 0.5}, "it in"),
+        ("dpo", lambda h, w, t, rh, rw: (h, w, t, rh, rw), {"loss_type": "robust", "label_smoothing": -0.1}, ">= 0"),
+        ("dpo", lambda h, w, t, rh, rw: (h, w, t, rh, rw), {"loss_type": "ipo", "beta": 0.0}, "beta > 0"),
+        ("orpo", lambda h, w, t: (h, w, t), {"nll_target": _zeros(B, T + 1, dtype=torch.long)}, "nll_target has"),
+        ("orpo", lambda h, w, t: (h, w, t), {"nll_target": _zeros(B, T)}, "nll_target has dtype"),
+        ("orpo", lambda h, w, t: (h, w, t), {"nll_target": _zeros(B, T, dtype=torch.long) + V}, "out of range"),
     ],
 )
 def test_bad_input_is_a_value_error(loss, make, options, message):

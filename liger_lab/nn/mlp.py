@@ -9,6 +9,8 @@ default here). That is safe inside this module: both are fresh outputs of its ow
 returned, and ``nn.Linear`` saves its input and weight, not its output, so nothing reads them after
 the fused op's backward. If a replacement projection did save its output, autograd reports the
 overwrite as an error (see :func:`liger_lab.swiglu`); pass ``in_place_backward=False`` for such setups.
+A projection that other code watches (:func:`outputs_observed`: a forward hook may keep its output, which
+autograd cannot see) gets fresh gradients on every call it is watched.
 """
 
 from __future__ import annotations
@@ -18,10 +20,27 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_hooks
 
 from liger_lab.ops.swiglu import geglu, swiglu
 
 _MLP = TypeVar("_MLP", bound="_GatedMLP")
+
+
+def outputs_observed(*modules: nn.Module) -> bool:
+    """Whether code other than the caller may see these modules' calls and outputs: then no backward may write over
+    their outputs, nor may a fused path skip their calls.
+
+    True for a forward hook or a forward pre-hook on any of them, a global module hook
+    (``torch.nn.modules.module.register_module_forward_hook`` and its pre-hook twin), or a ``forward`` set on the
+    instance (accelerate's hooks wrap the module's call that way). A forward hook may keep the output, and autograd
+    cannot tell: an overwrite would change what it kept with no error. A pre-hook cannot see the output, but it
+    marks a module another library takes part in (FSDP2, PEFT's adapter_names, a profiler), which may see it
+    afterwards; the price of a wrong guess is one fresh buffer, against wrong values. Checked per call: hooks come
+    and go on a built model."""
+    if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks:
+        return True
+    return any(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__ for module in modules)
 
 
 class _GatedMLP(nn.Module):
@@ -60,8 +79,8 @@ class _GatedMLP(nn.Module):
         return cls(config.hidden_size, config.intermediate_size, bias, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gated = self._glu(self.gate_proj(x), self.up_proj(x), in_place_backward=self.in_place_backward)
-        return self.down_proj(gated)
+        in_place = self.in_place_backward and not outputs_observed(self.gate_proj, self.up_proj)
+        return self.down_proj(self._glu(self.gate_proj(x), self.up_proj(x), in_place_backward=in_place))
 
     def extra_repr(self) -> str:
         return f"in_place_backward={self.in_place_backward}"

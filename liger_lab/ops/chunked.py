@@ -12,8 +12,12 @@ loop below never holds more than one chunk of C rows of logits::
 What differs between losses is only ``chunk_loss``: cross-entropy runs its row kernel on z, a distillation
 loss also computes the teacher's logits for the same rows and runs a divergence kernel, a preference loss
 turns token log-probabilities into sequence scores. Each writes its losses wherever it keeps them and, when
-asked, overwrites z with d(loss)/dz. A global factor shared by every row (1 / tokens for a mean) rides on
-the matmuls' ``alpha`` (``grad_scale``) rather than on dz, where fp16 would underflow.
+asked, overwrites z with d(loss)/dz. A global factor shared by every row rides on the matmuls' ``alpha``
+(``grad_scale``) rather than on dz, where fp16 would underflow, when the host knows it (the 1 / B of a mean
+over pairs). One that only the device knows (a mean's 1 / kept, kept counted on the device: reading it back
+would make the host wait for the GPU every step) is left to the loss's backward, which multiplies the
+gradients by the upstream gradient anyway (see
+:func:`liger_lab.ops.fused_linear_cross_entropy.mean_over_kept`).
 
 The gradients are computed in the forward pass (6 N H V FLOPs in all, as many as an unfused forward and
 backward), so the backward only multiplies them by the incoming scalar gradient.
@@ -26,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from liger_lab.ops.common import check_float
 
 ChunkLoss = Callable[[torch.Tensor, slice, bool], None]
 """``chunk_loss(z, rows, write_grad)``: the loss's step for the logits ``z`` of ``hidden[rows]``. It records
@@ -114,3 +120,26 @@ def chunked_linear_loss(
         if grad_h is not None:  # last: over the input it overwrites h, which the dW product has just read
             torch.addmm(grad_h[rows], z, weight, beta=0, alpha=grad_scale, out=grad_h[rows])
     return grad_h, grad_w, grad_b
+
+
+def check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """Validate a linear head, as every fused linear loss takes it: hidden (..., H), weight (V, H) with V >= 1, bias
+    (V,) or None, all of one dtype."""
+    check_float("hidden", hidden)
+    check_float("weight", weight)
+    if hidden.dim() == 0:
+        raise ValueError("hidden must have at least one dimension (the hidden size)")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)}: expected (V, {hidden.shape[-1]}) with V >= 1, the hidden size "
+            f"being the last dimension of hidden {tuple(hidden.shape)}"
+        )
+    tensors = {"hidden": hidden, "weight": weight}
+    if bias is not None:
+        check_float("bias", bias)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}: expected ({weight.shape[0]},)")
+        tensors["bias"] = bias
+    if len({t.dtype for t in tensors.values()}) > 1:
+        listed = ", ".join(f"{name} {t.dtype}" for name, t in tensors.items())
+        raise ValueError(f"expected one dtype (as torch.nn.functional.linear does), got {listed}")

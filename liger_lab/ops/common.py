@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -31,11 +32,42 @@ def check_same_dtype(**tensors: torch.Tensor) -> None:
         raise ValueError(f"expected one dtype, got {listed}")
 
 
+def same_shape(shape: Sequence[int], expected: Sequence[int]) -> bool:
+    """Whether two shapes are equal, compared size by size with ``==``.
+
+    Under ``torch.compile`` with dynamic shapes a size is a ``SymInt``. ``==`` between two of them records a relation
+    (``s0 == s1``), which holds for every length, so one graph serves them all. Hashing a size (a set of shapes, a
+    dict key) pins it to its current value instead: a new graph for every length. A pinned size next to a symbolic
+    one also made Dynamo (2.13) answer a membership test wrongly (RoPE's ``cos.shape[0] not in (1, batch)`` was True
+    for cos of q's batch, a false ValueError), so checks spell such tests out with ``==`` as well."""
+    if len(shape) != len(expected):
+        return False
+    for size, other in zip(shape, expected, strict=True):
+        if size != other:
+            return False
+    return True
+
+
+def is_finite(value: float) -> bool:
+    """Whether a Python number is finite (neither infinite nor NaN). Comparisons rather than ``math.isfinite``:
+    ``torch.compile(dynamic=True)`` traces a float argument as a ``SymFloat``, which comparisons accept (Dynamo
+    then specializes the float) and ``math.isfinite`` does not (a graph break, an error under ``fullgraph=True``)."""
+    return -math.inf < value < math.inf
+
+
 def check_same_shape(**tensors: torch.Tensor) -> None:
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    if len(set(shapes.values())) > 1:
-        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
-        raise ValueError(f"expected tensors of one shape, got {listed}")
+    first, *others = tensors.values()
+    for tensor in others:
+        if not same_shape(tensor.shape, first.shape):
+            listed = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors.items())
+            raise ValueError(f"expected tensors of one shape, got {listed}")
+
+
+def row_count(x: torch.Tensor) -> int:
+    """The number of rows of ``x`` viewed as (rows, last dim): the product of its leading sizes. ``math.prod``
+    rather than ``x.shape[:-1].numel()``: under ``torch.compile`` the latter pins a symbolic size to its value,
+    so a fake implementation that used it would compile one graph per row count."""
+    return math.prod(x.shape[:-1])
 
 
 def check_feature_vector(name: str, vector: torch.Tensor, x: torch.Tensor) -> None:
@@ -93,11 +125,20 @@ def in_place_requested(in_place_backward: bool, *tensors: torch.Tensor) -> bool:
     return bool(in_place_backward) and not torch.compiler.is_compiling() and not any(map(is_dtensor, tensors))
 
 
+def may_overwrite(x: torch.Tensor) -> bool:
+    """Whether an in-place backward may write over ``x``'s memory. Never over memory that an ``nn.Parameter`` or any
+    other leaf that requires grad owns (``x`` itself, or the base of a view ``x`` is): such a tensor is the caller's
+    state (model weights, an input whose ``.grad`` the caller reads), and writing its gradient over it would leave
+    the values gone and ``.grad`` aliasing them. Only intermediates (an autograd node's output) are written."""
+    owner = x if x._base is None else x._base
+    return not isinstance(owner, nn.Parameter) and not (owner.is_leaf and owner.requires_grad)
+
+
 def rows_to_overwrite(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` as (rows, last dim) over its own memory when a kernel may write results over it row by row;
-    None for an ``nn.Parameter`` (model state is never clobbered), a layout that cannot be viewed as rows
-    without a copy, a column stride other than 1, or rows that overlap (an expanded tensor)."""
-    if isinstance(x, nn.Parameter):
+    None for the caller's state (:func:`may_overwrite`), a layout that cannot be viewed as rows without a copy,
+    a column stride other than 1, or rows that overlap (an expanded tensor)."""
+    if not may_overwrite(x):
         return None
     try:
         rows = x.view(x.shape[:-1].numel(), x.shape[-1])
@@ -146,7 +187,7 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype, outputs: int = 1) -
     if n_programs == 0 or n_cols == 0:
         return tuple(s.zero_() for s in sums)
     launch = runtime.column_sum_launch(n_programs, width)
-    _sum_partials_kernel[(launch.grid,)](
+    runtime.launch_kernel(_sum_partials_kernel, (launch.grid,),
         partials, n_programs, n_cols, sums[0], sums[-1],
         BLOCK_P=launch.rows, BLOCK_N=launch.block_n, TWO_OUTPUTS=outputs == 2, num_warps=launch.num_warps,
     )  # fmt: skip

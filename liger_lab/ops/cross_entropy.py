@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
-from liger_lab.ops.common import as_rows, check_float, in_place_requested, rows_to_overwrite
+from liger_lab.ops.common import as_rows, check_float, in_place_requested, row_count, rows_to_overwrite
 from liger_lab.ops.logsumexp import online_lse_step
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -223,7 +223,9 @@ def count_targets(flat_target: torch.Tensor, n_classes: int, ignore_index: int) 
     """One small kernel: int64 [kept, out of range, smallest kept, largest kept] on the target's device."""
     counts = torch.empty(4, dtype=torch.int64, device=flat_target.device)
     block = runtime.pick(cpu=2**16, gpu=4096)
-    _count_targets_kernel[(1,)](flat_target, flat_target.numel(), ignore_index, n_classes, counts, BLOCK=block)
+    runtime.launch_kernel(
+        _count_targets_kernel, (1,), flat_target, flat_target.numel(), ignore_index, n_classes, counts, BLOCK=block
+    )
     return counts
 
 
@@ -239,11 +241,26 @@ def kept_count(counts: list[int], n_classes: int, ignore_index: int) -> int:
     return n_kept
 
 
-def check_target(target: torch.Tensor, expected_shape: torch.Size, n_classes: int, ignore_index: int) -> int:
-    """Validate class indices, waiting for the GPU's count; return how many are not ignored."""
+def check_target(target: torch.Tensor, expected_shape: torch.Size, n_classes: int, ignore_index: int) -> torch.Tensor:
+    """Validate class indices; return :func:`count_targets`' counts, left on the device.
+
+    Where a read costs the host nothing (``runtime.HOST_READS_WAIT`` false: the interpreter's tensors are host
+    memory), an index out of range is a ValueError here, before any work. On the GPU the host never reads the
+    counts: that would wait for the GPU every step and keep the step out of CUDA graphs. There the kernels skip
+    such rows and the fused losses come out NaN, loss and gradients (:func:`nan_if_out_of_range`)."""
     check_target_tensor(target, expected_shape)
     counts = count_targets(target.reshape(-1).contiguous(), n_classes, ignore_index)
-    return kept_count(counts.tolist(), n_classes, ignore_index)
+    if not runtime.HOST_READS_WAIT:
+        kept_count(counts.tolist(), n_classes, ignore_index)
+    return counts
+
+
+def nan_if_out_of_range(counts: torch.Tensor) -> torch.Tensor:
+    """An fp32 scalar on the device from :func:`count_targets`' counts: 1, or NaN when a target is out of range.
+    A fused loss multiplies its loss and gradients by it: on the GPU, where the range is not checked on the host,
+    a bad target then gives a NaN loss and NaN gradients (which a NaN guard or a GradScaler catches) rather than
+    a plausible loss that silently left those tokens out."""
+    return torch.where(counts[1] > 0, math.nan, 1.0).to(torch.float32)
 
 
 def cross_entropy_rows(
@@ -269,7 +286,7 @@ def cross_entropy_rows(
     if n_rows == 0:
         return
     launch = launch or runtime.streaming_row_launch(n_rows, n_cols)
-    _cross_entropy_kernel[(launch.grid,)](
+    runtime.launch_kernel(_cross_entropy_kernel, (launch.grid,),
         logits, logits.stride(0), grad if grad is not None else logits, grad.stride(0) if grad is not None else 0,
         target, loss, row_scale if row_scale is not None else loss, counts if counts is not None else loss,
         n_rows, n_cols, options.ignore_index,
@@ -290,19 +307,20 @@ def scale_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = 
     scale_stride = 0 if scale.numel() == 1 else 1
     scale = scale.reshape(-1).contiguous()
     launch = runtime.streaming_row_launch(n_rows, n_cols)
-    _scale_rows_kernel[(launch.grid,)](
+    runtime.launch_kernel(_scale_rows_kernel, (launch.grid,),
         x, x.stride(0), out, out.stride(0), scale, scale_stride, n_rows, n_cols,
         IN_PLACE=out is x, ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
     )  # fmt: skip
     return out
 
 
-def reduce_loss(loss: torch.Tensor, reduction: str, n_valid: int, shape: torch.Size) -> torch.Tensor:
-    """Per-row fp32 losses -> the fp32 loss the operators return (the public functions cast it)."""
+def reduce_loss(loss: torch.Tensor, reduction: str, n_valid: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Per-row fp32 losses -> the fp32 loss the operators return (the public functions cast it). ``n_valid``:
+    the kept count as a tensor on the device (a mean divides by it there, the host never reads it)."""
     if reduction == "none":
         return loss.view(shape)
     total = loss.sum()
-    return total / max(n_valid, 1) if reduction == "mean" else total
+    return total / n_valid.clamp(min=1) if reduction == "mean" else total
 
 
 def _cross_entropy(
@@ -324,8 +342,8 @@ def _cross_entropy(
     cross_entropy_rows(
         logits, flat_target, loss, options, grad=grad, counts=counts, divide_by_count=mean_in_kernel
     )  # fmt: skip
-    n_valid = kept_count(read_counts(), n_classes, options.ignore_index)
-    total = reduce_loss(loss, options.reduction, n_valid, target.shape)
+    kept_count(read_counts(), n_classes, options.ignore_index)
+    total = reduce_loss(loss, options.reduction, counts[0], target.shape)
     # Made on the device from the count, not copied from a host float: a copy from pageable host memory
     # waits for the kernel above, and the GPU would then idle while the host launches the rest.
     owed = torch.ones((), dtype=torch.float32, device=logits.device)
@@ -366,7 +384,7 @@ def cross_entropy_op(
 
 @cross_entropy_op.register_fake
 def _(logits, target, ignore_index, label_smoothing, reduction, softcap, z_loss_scale, compute_grad):
-    rows = logits.shape[:-1].numel()
+    rows = row_count(logits)
     grad = logits.new_empty((rows, logits.shape[-1]) if compute_grad else (0,))
     return _loss_like(logits, target, reduction), grad, logits.new_empty((), dtype=torch.float32)
 
@@ -400,6 +418,20 @@ def scale_rows_in_place_op(x: torch.Tensor, scale: torch.Tensor) -> None:
 
 
 scale_rows_in_place_op.register_fake(lambda x, scale: None)
+
+
+def refuse_second_derivative(name: str) -> None:
+    """Called first in the backward of every loss that makes its gradient in the forward (cross-entropy, JSD and
+    the fused linear losses): their backward only scales a saved gradient, which is a constant to autograd, so a
+    backward with ``create_graph=True`` (double backward, a gradient penalty) would differentiate it to a silent
+    zero. It raises instead, naming the op, as the norms' and GLUs' backward operators do when differentiated
+    (they have no autograd formula); a first-order backward never builds a graph, so this costs it nothing."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"liger_lab.{name} has no second derivative: its gradient is made in the forward pass and the backward "
+            "only scales it, so a backward with create_graph=True (double backward, a gradient penalty) cannot "
+            f"differentiate it. Compute such a term with the plain PyTorch loss, liger_lab.reference.{name}."
+        )
 
 
 def save_gradient(ctx, grad: torch.Tensor, owed: torch.Tensor, shape: torch.Size) -> None:
@@ -438,6 +470,7 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        refuse_second_derivative("cross_entropy")
         return scaled_gradient(ctx, grad_loss), None, None, None
 
 

@@ -17,6 +17,14 @@ it is exactly 1. For ``reduction="none"`` the incoming gradient is one number pe
 it *inside* the sum over tokens, so nothing is precomputed: the forward computes only the loss and the
 backward runs the chunk loop again with the per-token gradient folded into dz (8 N H V FLOPs).
 
+**Nothing is read back.** A mean's kept count and the target range check come from one small kernel
+(:func:`liger_lab.ops.cross_entropy.count_targets`) whose result stays on the device: in fp32 the cross-entropy
+kernel divides dz by the count itself; in fp16 and bf16 the backward applies it with the upstream gradient
+(:func:`mean_over_kept` says why). So the host never waits for the GPU in forward or backward, and a CUDA graph
+captures the whole step. A target out of range is a ValueError in the interpreter, where reading the count
+costs nothing; on the GPU it makes the loss and every gradient NaN. The gradient is not differentiable again:
+a backward with ``create_graph=True`` raises.
+
 **Chunk size.** The chunk's logits cost ``C * V * itemsize`` bytes (bf16: 2 bytes; the kernel works in
 fp32 registers, never an fp32 copy). :data:`CHUNK_BUDGET_BYTES` bounds the op's temporaries: the chunk
 of logits, plus the N x H hidden gradient unless ``in_place_backward`` writes it over ``hidden``. ``C``
@@ -45,15 +53,18 @@ from __future__ import annotations
 
 import torch
 
-from liger_lab.ops.chunked import ChunkGrads, ChunkLoss, chunked_linear_loss
-from liger_lab.ops.common import check_float, in_place_requested, rows_to_overwrite
+from liger_lab.ops.chunked import ChunkGrads, ChunkLoss, check_head, chunked_linear_loss
+from liger_lab.ops.common import in_place_requested, row_count, rows_to_overwrite
 from liger_lab.ops.cross_entropy import (
     LossOptions,
     check_loss_options,
     check_target,
     check_target_tensor,
+    count_targets,
     cross_entropy_rows,
+    nan_if_out_of_range,
     reduce_loss,
+    refuse_second_derivative,
     scale_rows,
 )
 
@@ -120,21 +131,43 @@ def accumulation_dtype(weight: torch.Tensor, accumulation: str) -> torch.dtype:
     return torch.float32 if accumulation == "fp32" else weight.dtype
 
 
-def _cross_entropy_chunk(target: torch.Tensor, loss: torch.Tensor, options: LossOptions, row_scale=None) -> ChunkLoss:
+def _cross_entropy_chunk(
+    target: torch.Tensor, loss: torch.Tensor, options: LossOptions, row_scale=None, counts=None, divide=False
+) -> ChunkLoss:
     """The chunk step of :func:`liger_lab.ops.chunked.chunked_linear_loss` for cross-entropy: the row kernel
     writes each token's fp32 loss into ``loss`` and, when asked, dz over the chunk's logits (times
-    ``row_scale``, one upstream gradient per token, for reduction="none").
-
-    The kernel writes the unscaled dz; the mean's 1 / tokens rides on the loop's ``grad_scale`` (the matmuls'
-    alpha) for free. Folding it into dz instead would underflow fp16 (p / n ~ 1e-9 for n = 8192 tokens and a
-    128k vocabulary; fp16 stops at 6e-8)."""
+    ``row_scale``, one upstream gradient per token, for reduction="none"; divided by the kept count of
+    ``counts`` on the device when ``divide``: see :func:`mean_over_kept`)."""
 
     def step(z: torch.Tensor, rows: slice, write_grad: bool) -> None:
         scale = None if row_scale is None else row_scale[rows]
         grad = z if write_grad else None  # dz over z
-        cross_entropy_rows(z, target[rows], loss[rows], options, grad=grad, row_scale=scale)
+        cross_entropy_rows(
+            z, target[rows], loss[rows], options, grad=grad, row_scale=scale, counts=counts, divide_by_count=divide
+        )
 
     return step
+
+
+def mean_over_kept(kept: torch.Tensor, n_rows: int, dtype: torch.dtype) -> tuple[bool, float, torch.Tensor]:
+    """A mean's 1 / kept when only the device knows ``kept`` (a count it made: reading it back would make the host
+    wait for the GPU every step, and no CUDA graph could hold the step). Returns (whether the row kernel divides dz
+    by the count, in fp32 before rounding dz to ``dtype``; the matmuls' ``grad_scale``; the fp32 factor on the
+    device that the gradients still owe, which the backward multiplies in with the upstream gradient: one pass,
+    skipped on the GPU when the product is exactly 1).
+
+    fp32 divides in the kernel and owes nothing. The half types cannot: fp16 because p / kept ~ 1e-9 for 8192
+    tokens over a 128k vocabulary underflows (fp16 stops at 6e-8); bf16 because the large entries of dz share one
+    value, -1 / kept at each target of a cross-entropy (and at a confident teacher's token in a distillation
+    loss), rounded alike to 8 bits for every token, which scales that part of the gradient by up to 1 +- 2**-9
+    (dividing in the kernel made |dW| 0.19% larger on the H200, 2048 x 4096 x 128256 with 1536 tokens kept),
+    where -1 itself is exact. Their dz stays unscaled, the matmuls take 1 / n_rows (known from the shapes; it
+    keeps the dW sum as small as before) and the gradients owe n_rows / kept, exactly 1 when no row is ignored:
+    then the backward's pass is skipped as before, otherwise it costs one in-place pass over dW and dh unless
+    the upstream gradient needed one anyway."""
+    if dtype == torch.float32:
+        return True, 1.0, torch.ones((), dtype=torch.float32, device=kept.device)
+    return False, 1.0 / max(n_rows, 1), n_rows / kept.clamp(min=1).to(torch.float32)
 
 
 def _token_rows(hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,21 +178,27 @@ def _token_rows(hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tenso
 def _forward(
     hidden, weight, target, bias, options, chunk_tokens, accumulation, needs, *, grad_h_over_hidden=False
 ):  # fmt: skip
-    """The op's work: (fp32 loss reduced as asked, dh or None, dW accumulator or None, db fp32 or None).
-    Gradients are made here except for reduction="none", whose backward runs the loop again."""
+    """The op's work: (fp32 loss reduced as asked, dh or None, dW accumulator or None, db fp32 or None, the fp32
+    factor the gradients still owe). Gradients are made here except for reduction="none", whose backward runs
+    the loop again."""
     rows, flat_target = _token_rows(hidden, target)
-    # Every target is range-checked before anything is written (a ValueError leaves hidden intact).
-    n_valid = check_target(target, hidden.shape[:-1], weight.shape[0], options.ignore_index)
+    # Every target is counted and range-checked before anything is written: a ValueError in the interpreter
+    # (hidden left intact), NaN loss and gradients on the GPU, where the counts stay on the device (check_target).
+    counts = check_target(target, hidden.shape[:-1], weight.shape[0], options.ignore_index)
+    valid = nan_if_out_of_range(counts)
     loss = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
     precompute = any(needs) and options.reduction != "none"
-    grad_scale = 1.0 / max(n_valid, 1) if options.reduction == "mean" else 1.0
+    divide, grad_scale, owed = False, 1.0, valid
+    if options.reduction == "mean":
+        divide, grad_scale, owed = mean_over_kept(counts[0], rows.shape[0], rows.dtype)
+        owed = owed * valid
     chunk = _chunk(rows, weight, chunk_tokens, needs[0] and precompute and not grad_h_over_hidden)
     grads = ChunkGrads(*needs, accumulation_dtype(weight, accumulation), hidden_over_input=grad_h_over_hidden)
     grads = chunked_linear_loss(
-        rows, weight, _cross_entropy_chunk(flat_target, loss, options), chunk=chunk,
+        rows, weight, _cross_entropy_chunk(flat_target, loss, options, counts=counts, divide=divide), chunk=chunk,
         grads=grads if precompute else None, bias=bias, grad_scale=grad_scale,
     )  # fmt: skip
-    return reduce_loss(loss, options.reduction, n_valid, target.shape), *grads
+    return reduce_loss(loss, options.reduction, counts[0], target.shape) * valid, *grads, owed
 
 
 def _chunk(rows: torch.Tensor, weight: torch.Tensor, chunk_tokens: int | None, separate_grad_h: bool) -> int:
@@ -177,7 +216,7 @@ def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 def _empty_grads_like(hidden, weight, bias, accumulation, needs, *, with_hidden=True):
     """The fake (shape-only) gradients of :func:`_forward`, as the operators return them."""
-    grad_h = hidden.new_empty(hidden.shape[:-1].numel(), hidden.shape[-1]) if needs[0] else hidden.new_empty(0)
+    grad_h = hidden.new_empty(row_count(hidden), hidden.shape[-1]) if needs[0] else hidden.new_empty(0)
     grad_w = weight.new_empty(weight.shape, dtype=accumulation_dtype(weight, accumulation)) if needs[1] else None
     grad_b = weight.new_empty(weight.shape[0], dtype=torch.float32) if needs[2] else None
     grads = (grad_h,) if with_hidden else ()
@@ -186,6 +225,11 @@ def _empty_grads_like(hidden, weight, bias, accumulation, needs, *, with_hidden=
 
 def _loss_like(hidden: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
     return hidden.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
+
+
+def _owed_like(hidden: torch.Tensor) -> torch.Tensor:
+    """The fake of the fp32 factor the gradients still owe (see :func:`mean_over_kept`)."""
+    return hidden.new_empty((), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,19 +251,22 @@ def fused_linear_cross_entropy_op(
     chunk_tokens: int | None,
     accumulation: str,
     needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 loss, dh (tokens, H), dW accumulator, db fp32); a gradient not in ``needs`` (hidden, weight,
-    bias), or every gradient for reduction="none", is an empty tensor."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 loss, dh (tokens, H), dW accumulator, db fp32, the fp32 factor the gradients still owe); a gradient
+    not in ``needs`` (hidden, weight, bias), or every gradient for reduction="none", is an empty tensor."""
     options = LossOptions(ignore_index, label_smoothing, reduction, softcap, 0.0)
-    loss, grad_h, grad_w, grad_b = _forward(hidden, weight, target, bias, options, chunk_tokens, accumulation, needs)
-    return loss, _or_empty(grad_h, hidden), _or_empty(grad_w, weight), _or_empty(grad_b, weight)
+    loss, grad_h, grad_w, grad_b, owed = _forward(
+        hidden, weight, target, bias, options, chunk_tokens, accumulation, needs
+    )
+    return loss, _or_empty(grad_h, hidden), _or_empty(grad_w, weight), _or_empty(grad_b, weight), owed
 
 
 @fused_linear_cross_entropy_op.register_fake
 def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, chunk_tokens, accumulation,
       needs):  # fmt: skip
     needs = needs if reduction != "none" else [False] * 3
-    return _loss_like(hidden, target, reduction), *_empty_grads_like(hidden, weight, bias, accumulation, needs)
+    grads = _empty_grads_like(hidden, weight, bias, accumulation, needs)
+    return _loss_like(hidden, target, reduction), *grads, _owed_like(hidden)
 
 
 @torch.library.custom_op("liger_lab::fused_linear_cross_entropy_", mutates_args=("hidden",))
@@ -235,11 +282,11 @@ def fused_linear_cross_entropy_in_place_op(
     chunk_tokens: int | None,
     accumulation: str,
     needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 loss, dW accumulator, db fp32), dh written over ``hidden`` (needs[0] must be set, reduction
-    "mean" or "sum", hidden overwritable row by row)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 loss, dW accumulator, db fp32, owed factor), dh written over ``hidden`` (needs[0] must be set,
+    reduction "mean" or "sum", hidden overwritable row by row)."""
     options = LossOptions(ignore_index, label_smoothing, reduction, softcap, 0.0)
-    loss, _, grad_w, grad_b = _forward(
+    loss, _, grad_w, grad_b, owed = _forward(
         rows_to_overwrite(hidden),
         weight,
         target.reshape(-1),
@@ -250,14 +297,14 @@ def fused_linear_cross_entropy_in_place_op(
         needs,
         grad_h_over_hidden=True,
     )
-    return loss, _or_empty(grad_w, weight), _or_empty(grad_b, weight)
+    return loss, _or_empty(grad_w, weight), _or_empty(grad_b, weight), owed
 
 
 @fused_linear_cross_entropy_in_place_op.register_fake
 def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, chunk_tokens, accumulation,
       needs):  # fmt: skip
     grads = _empty_grads_like(hidden, weight, bias, accumulation, needs, with_hidden=False)
-    return _loss_like(hidden, target, reduction), *grads
+    return _loss_like(hidden, target, reduction), *grads, _owed_like(hidden)
 
 
 @torch.library.custom_op("liger_lab::fused_linear_cross_entropy_backward", mutates_args=())
@@ -287,6 +334,14 @@ def fused_linear_cross_entropy_backward_op(
         chunk=_chunk(rows, weight, chunk_tokens, needs[0]),
         grads=ChunkGrads(*needs, accumulation_dtype(weight, accumulation)), bias=bias,
     )  # fmt: skip
+    # The forward's range check again, on the device: a target out of range makes every gradient NaN, as it made
+    # the forward's losses (the interpreter raised there already). In place, skipped on the GPU when valid is 1.
+    valid = nan_if_out_of_range(count_targets(flat_target, weight.shape[0], ignore_index))
+    for grad in (grad_h, grad_w):
+        if grad is not None:
+            scale_rows(grad, valid)
+    if grad_b is not None:
+        grad_b.mul_(valid)
     return _or_empty(grad_h, hidden), _or_empty(grad_w, weight), _or_empty(grad_b, weight)
 
 
@@ -305,19 +360,21 @@ def scale_rows_op(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 scale_rows_op.register_fake(lambda x, scale, dtype: torch.empty_like(x, dtype=dtype))
 
 
-def finish_grads(grad_h, grad_w, grad_b, grad_loss, ctx):
-    """Gradients made in the forward, times the upstream gradient, in the inputs' dtypes and shapes.
-    Scaling happens in place (skipped on the GPU when the upstream gradient is exactly 1)."""
+def finish_grads(grad_h, grad_w, grad_b, grad_loss, ctx, owed=None):
+    """Gradients made in the forward, times the upstream gradient and the factor they still ``owed`` (an fp32
+    scalar on the device, or None: :func:`mean_over_kept`), in the inputs' dtypes and shapes. Scaling happens in
+    place, one pass skipped on the GPU when the product is exactly 1 (a plain ``loss.backward()``, nothing owed)."""
     needs_h, needs_w, needs_b = ctx.needs
+    scale = grad_loss.float() if owed is None else grad_loss.float() * owed
     if needs_h:
-        torch.ops.liger_lab.scale_rows_(grad_h, grad_loss)
+        torch.ops.liger_lab.scale_rows_(grad_h, scale)
         grad_h = grad_h.view(ctx.hidden_shape)
     if needs_w and grad_w.dtype == ctx.weight_dtype:
-        torch.ops.liger_lab.scale_rows_(grad_w, grad_loss)
+        torch.ops.liger_lab.scale_rows_(grad_w, scale)
     elif needs_w:  # the fp32 accumulator: scale and round in one pass
-        grad_w = torch.ops.liger_lab.scale_rows(grad_w, grad_loss.float(), ctx.weight_dtype)
+        grad_w = torch.ops.liger_lab.scale_rows(grad_w, scale, ctx.weight_dtype)
     if needs_b:
-        grad_b = (grad_b * grad_loss.float()).to(ctx.weight_dtype)
+        grad_b = (grad_b * scale).to(ctx.weight_dtype)
     return (grad_h if needs_h else None), (grad_w if needs_w else None), (grad_b if needs_b else None)
 
 
@@ -337,7 +394,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             reduction,
         )
         if in_place:
-            loss, grad_w, grad_b = torch.ops.liger_lab.fused_linear_cross_entropy_(
+            loss, grad_w, grad_b, owed = torch.ops.liger_lab.fused_linear_cross_entropy_(
                 hidden, weight, target, bias, *arguments
             )
             # hidden now holds its gradient (the op bumped its version: a node that saved it for its own
@@ -345,18 +402,21 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             # detached: the gradient is data now, not a node of the graph that made hidden.
             grads = (hidden.detach(), grad_w, grad_b)
         else:
-            loss, *grads = torch.ops.liger_lab.fused_linear_cross_entropy(hidden, weight, target, bias, *arguments)
+            loss, *grads, owed = torch.ops.liger_lab.fused_linear_cross_entropy(
+                hidden, weight, target, bias, *arguments
+            )
         if reduction == "none":
             ctx.save_for_backward(hidden, weight, target, bias)
             ctx.arguments = tuple(a for i, a in enumerate(arguments) if i != 2)  # all but the reduction
         else:
             # Scaling in place bumps the gradients' versions: a second backward through the same graph
             # fails with "modified by an inplace operation" instead of scaling them twice.
-            ctx.save_for_backward(*grads)
+            ctx.save_for_backward(*grads, owed)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        refuse_second_derivative("fused_linear_cross_entropy")
         if ctx.reduction == "none":
             hidden, weight, target, bias = ctx.saved_tensors
             grad_h, grad_w, grad_b = torch.ops.liger_lab.fused_linear_cross_entropy_backward(
@@ -366,7 +426,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_w = grad_w.to(ctx.weight_dtype) if ctx.needs[1] else None
             grad_b = grad_b.to(ctx.weight_dtype) if ctx.needs[2] else None
         else:
-            grad_h, grad_w, grad_b = finish_grads(*ctx.saved_tensors, grad_loss, ctx)
+            *grads, owed = ctx.saved_tensors
+            grad_h, grad_w, grad_b = finish_grads(*grads, grad_loss, ctx, owed)
         # detach(): a fresh tensor object, so a leaf's .grad is never the leaf itself (in place: its memory)
         return None if grad_h is None else grad_h.detach(), grad_w, None, grad_b, None, None
 
@@ -397,7 +458,9 @@ def fused_linear_cross_entropy(
     from :data:`CHUNK_BUDGET_BYTES`; ``accumulation`` ("auto", "fp32", "weight_dtype"; default
     :data:`ACCUMULATION`) picks how dW is summed over chunks. Gradients are computed in the forward (see
     the module docstring), so the graph can be backpropagated once; with ``reduction="none"`` the
-    backward recomputes the logits instead. The caller's tensors are never modified by default.
+    backward recomputes the logits instead. The caller's tensors are never modified by default. A target out of
+    range raises ValueError in the interpreter; on the GPU, which checks it without making the host wait, the loss
+    and the gradients come out NaN.
 
     ``in_place_backward=True`` writes the gradient of ``hidden`` over ``hidden`` during the forward, each
     chunk's rows once that chunk has read them for the last time: no N x H gradient buffer (64 MiB at
@@ -409,24 +472,7 @@ def fused_linear_cross_entropy(
     """
     options = LossOptions(ignore_index, float(label_smoothing), reduction, softcap, 0.0)
     check_loss_options(options)
-    check_float("hidden", hidden)
-    check_float("weight", weight)
-    if hidden.dim() == 0:
-        raise ValueError("hidden must have at least one dimension (the hidden size)")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise ValueError(
-            f"weight has shape {tuple(weight.shape)}: expected (V, {hidden.shape[-1]}) with V >= 1, the hidden size "
-            f"being the last dimension of hidden {tuple(hidden.shape)}"
-        )
-    tensors = {"hidden": hidden, "weight": weight}
-    if bias is not None:
-        check_float("bias", bias)
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}: expected ({weight.shape[0]},)")
-        tensors["bias"] = bias
-    if len({t.dtype for t in tensors.values()}) > 1:
-        listed = ", ".join(f"{name} {t.dtype}" for name, t in tensors.items())
-        raise ValueError(f"expected one dtype (as torch.nn.functional.linear does), got {listed}")
+    check_head(hidden, weight, bias)
     accumulation = check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
     if not isinstance(loss_dtype, torch.dtype) or not loss_dtype.is_floating_point:
         raise ValueError(f"loss_dtype is {loss_dtype!r}: expected a floating torch.dtype such as torch.float32")

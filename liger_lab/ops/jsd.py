@@ -7,7 +7,8 @@ The divergence of TRL's GKD trainer (``generalized_jsd_loss``). For one row, wit
     beta == 0:   d = KL(P || Q)                                     forward KL
     beta == 1:   d = KL(Q || P)                                     reverse KL
     otherwise:   d = beta * KL(P || M) + (1 - beta) * KL(Q || M),  M = beta * P + (1 - beta) * Q
-    loss = mean of d over the kept rows (target != ignore_index; every row when there is no target)
+    loss = mean of d over the kept rows (target != ignore_index; every row when there is no target),
+           or their sum / num_items_in_batch when that is given (TRL's normalizer over a whole accumulated batch)
 
 No ``T**2`` factor: like TRL's ``generalized_jsd_loss`` (and unlike Hinton-style distillation), the loss is
 the divergence of the tempered distributions as it stands. Multiply by ``T**2`` yourself if you want the
@@ -24,7 +25,7 @@ for the student logits z::
                                                     ->  dd/ds_j = (1 - beta) Q_j (log Q_j - log M_j - KL(Q || M))
 
 (the mixture: d = beta sum P log P + (1 - beta) sum Q log Q - sum M log M, and dM_i/dQ_i = 1 - beta). The
-mean multiplies each kept row's gradient by 1 / (kept rows).
+mean multiplies each kept row's gradient by 1 / (kept rows), or 1 / num_items_in_batch.
 
 Kernel: one program per tile of rows, looping over the vocabulary in blocks, all math in fp32.
 Pass 1 keeps an online log-sum-exp (running max, rescaled sum) of z / T and of the teacher's y / T; for
@@ -61,8 +62,8 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
-from liger_lab.ops.common import as_rows, check_float
-from liger_lab.ops.cross_entropy import save_gradient, scaled_gradient
+from liger_lab.ops.common import as_rows, check_float, row_count
+from liger_lab.ops.cross_entropy import refuse_second_derivative, save_gradient, scaled_gradient
 from liger_lab.ops.logsumexp import online_lse_step
 
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
@@ -233,7 +234,7 @@ def jsd_rows(
     mode = mode_of(beta)
     log_beta, log_1m_beta = (math.log(beta), math.log1p(-beta)) if mode == MIXTURE else (0.0, 0.0)
     launch = launch or runtime.streaming_row_launch(n_rows, n_cols, gpu_tile=GPU_TILE)
-    _jsd_kernel[(launch.grid,)](
+    runtime.launch_kernel(_jsd_kernel, (launch.grid,),
         student, student.stride(0), teacher, teacher.stride(0), target if target is not None else loss, loss,
         grad if grad is not None else loss, grad.stride(0) if grad is not None else 0,
         grad_scale if grad_scale is not None else loss,
@@ -243,25 +244,35 @@ def jsd_rows(
     )  # fmt: skip
 
 
+def kept_rows(
+    flat_target: torch.Tensor | None, n_rows: int, ignore_index: int, num_items: torch.Tensor | None, device
+) -> torch.Tensor:
+    """The loss's divisor, an fp32 scalar on the device: ``num_items`` when given (used as it is: TRL divides by
+    num_items_in_batch unclamped, and a per-process share of it may be below 1), else the kept rows, at least 1."""
+    if num_items is not None:
+        return num_items.to(torch.float32).reshape(())
+    if flat_target is None:
+        return torch.full((), max(n_rows, 1), dtype=torch.float32, device=device)
+    return (flat_target != ignore_index).sum().clamp(min=1).to(torch.float32)
+
+
 def _jsd(
     student: torch.Tensor,
     teacher: torch.Tensor,
     target: torch.Tensor | None,
+    num_items: torch.Tensor | None,
     beta: float,
     temperature: float,
     ignore_index: int,
     compute_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 mean loss, gradient of the student's rows or an empty tensor, fp32 factor the backward still
-    owes the gradient). Everything stays on the device: the kept count is never read by the host."""
+    """(fp32 loss: the mean over kept rows, or their sum over ``num_items``; gradient of the student's rows or an
+    empty tensor; fp32 factor the backward still owes the gradient). Everything stays on the device: the kept count
+    is never read by the host."""
     rows_s, rows_t = as_rows(student), as_rows(teacher)
     n_rows, device = rows_s.shape[0], student.device
     flat_target = None if target is None else target.reshape(-1).contiguous()
-    if flat_target is None:
-        kept = torch.full((), max(n_rows, 1), dtype=torch.float32, device=device)
-    else:
-        kept = (flat_target != ignore_index).sum().clamp(min=1).to(torch.float32)
-    inv_kept = 1.0 / kept
+    inv_kept = 1.0 / kept_rows(flat_target, n_rows, ignore_index, num_items, device)
     # The mean's 1/n goes into the stored gradient (a plain backward then has nothing left to do), except in
     # fp16: (Q - P) / n for many tokens underflows fp16 (it stops at 6e-8), so fp16 stores dd/dz and the
     # backward applies 1/n with the upstream gradient (as liger_lab.cross_entropy does).
@@ -286,18 +297,19 @@ def jsd_op(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
     target: torch.Tensor | None,
+    num_items: torch.Tensor | None,
     beta: float,
     temperature: float,
     ignore_index: int,
     compute_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 loss, gradient (rows, V) of the student or an empty tensor, fp32 factor the backward owes it)."""
-    return _jsd(student_logits, teacher_logits, target, beta, temperature, ignore_index, compute_grad)
+    return _jsd(student_logits, teacher_logits, target, num_items, beta, temperature, ignore_index, compute_grad)
 
 
 @jsd_op.register_fake
-def _(student_logits, teacher_logits, target, beta, temperature, ignore_index, compute_grad):
-    rows = student_logits.shape[:-1].numel()
+def _(student_logits, teacher_logits, target, num_items, beta, temperature, ignore_index, compute_grad):
+    rows = row_count(student_logits)
     grad = student_logits.new_empty((rows, student_logits.shape[-1]) if compute_grad else (0,))
     loss, owed = (student_logits.new_empty((), dtype=torch.float32) for _ in range(2))
     return loss, grad, owed
@@ -310,16 +322,17 @@ class JSDFunction(torch.autograd.Function):
     logits-sized buffer). Only the student gets a gradient."""
 
     @staticmethod
-    def forward(ctx, student_logits, teacher_logits, target, beta, temperature, ignore_index):
+    def forward(ctx, student_logits, teacher_logits, target, num_items, beta, temperature, ignore_index):
         loss, grad, owed = torch.ops.liger_lab.jsd(
-            student_logits, teacher_logits, target, beta, temperature, ignore_index, True
+            student_logits, teacher_logits, target, num_items, beta, temperature, ignore_index, True
         )
         save_gradient(ctx, grad, owed, student_logits.shape)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        return scaled_gradient(ctx, grad_loss), None, None, None, None, None
+        refuse_second_derivative("jsd")
+        return scaled_gradient(ctx, grad_loss), *(None,) * 6
 
 
 def check_jsd_options(beta: float, temperature: float, ignore_index: int) -> tuple[float, float]:
@@ -334,6 +347,27 @@ def check_jsd_options(beta: float, temperature: float, ignore_index: int) -> tup
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or not -(2**63) <= ignore_index < 2**63:
         raise ValueError(f"ignore_index is {ignore_index!r}: expected an int in the int64 range")
     return float(beta), float(temperature)
+
+
+def check_num_items(num_items_in_batch: object, device: torch.device) -> torch.Tensor | None:
+    """TRL's ``num_items_in_batch`` as an fp32 scalar on ``device``, or None: a positive finite number (filled on the
+    device, no copy that would wait for it) or a one-element real tensor there (its value is not read: on the GPU
+    that would make the host wait)."""
+    if num_items_in_batch is None:
+        return None
+    if isinstance(num_items_in_batch, torch.Tensor):
+        dtype = num_items_in_batch.dtype
+        if num_items_in_batch.numel() != 1 or dtype.is_complex or dtype == torch.bool:
+            raise ValueError(
+                f"num_items_in_batch has shape {tuple(num_items_in_batch.shape)} and dtype {dtype}: expected one real "
+                f"number (the kept rows of the whole batch)"
+            )
+        runtime.check_device(num_items_in_batch=num_items_in_batch)
+        return num_items_in_batch.detach().to(torch.float32).reshape(())
+    value = num_items_in_batch
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"num_items_in_batch is {value!r}: expected None, a positive finite number or a tensor")
+    return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
 def check_target(target: object, rows: torch.Tensor, name: str) -> None:
@@ -360,6 +394,7 @@ def jsd(
     beta: float = 0.5,
     temperature: float = 1.0,
     ignore_index: int = -100,
+    num_items_in_batch: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """Generalized JSD of on-policy distillation, as TRL's GKD trainer defines it (``generalized_jsd_loss``).
 
@@ -372,6 +407,9 @@ def jsd(
     ``ignore_index``, or over every row when ``target`` is None; the target's values are not class indices
     here, only a mask. Every row ignored gives 0 with a zero gradient (TRL's formula would give 0/0).
     There is no ``T**2`` factor, as in TRL's ``generalized_jsd_loss``: scale the loss yourself if wanted.
+    ``num_items_in_batch`` (a positive number or a one-element tensor), when given, replaces the kept count: the loss
+    is the sum over the kept rows divided by it, unclamped, as TRL's GKD and distillation losses divide (the kept
+    rows of a whole accumulated batch, so that the micro-batches' losses add up to its mean).
 
     Gradients reach the student only; the teacher is treated as a constant (it gets no ``.grad`` even if it
     requires grad). The gradient is made in the forward into a new buffer of the student's size; the
@@ -395,7 +433,9 @@ def jsd(
         )
     if target is not None:
         check_target(target, student_logits, "student_logits")
+    num_items = check_num_items(num_items_in_batch, student_logits.device)
     teacher = teacher_logits.detach()
     if student_logits.requires_grad and torch.is_grad_enabled():
-        return JSDFunction.apply(student_logits, teacher, target, beta, temperature, ignore_index)
-    return torch.ops.liger_lab.jsd(student_logits, teacher, target, beta, temperature, ignore_index, False)[0]
+        return JSDFunction.apply(student_logits, teacher, target, num_items, beta, temperature, ignore_index)
+    return torch.ops.liger_lab.jsd(student_logits, teacher, target, num_items, beta, temperature, ignore_index,
+                                   False)[0]  # fmt: skip

@@ -141,7 +141,7 @@ def layer_norm_forward(
     if y.numel() == 0:
         return y, mean, rstd
     launch = launch or forward_launch(n_rows, n_cols)
-    _layer_norm_forward_kernel[(launch.grid,)](
+    runtime.launch_kernel(_layer_norm_forward_kernel, (launch.grid,),
         x, x.stride(0), weight, bias, y, y.stride(0), mean, rstd, n_rows, n_cols, eps,
         ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
     )  # fmt: skip
@@ -174,7 +174,7 @@ def layer_norm_backward(
         return dx, torch.zeros_like(weight), torch.zeros_like(weight)
     launch = launch or backward_launch(dy, x)
     partials = torch.empty((launch.grid, 2 * n_cols), dtype=torch.float32, device=x.device)
-    _layer_norm_backward_kernel[(launch.grid,)](
+    runtime.launch_kernel(_layer_norm_backward_kernel, (launch.grid,),
         dy, dy.stride(0), x, x.stride(0), weight, mean, rstd, dx, dx.stride(0), partials, n_rows, n_cols,
         ROWS=launch.rows, BLOCK_N=launch.block_n, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
     )  # fmt: skip

@@ -1,20 +1,38 @@
-r"""Preference losses (DPO, ORPO, SimPO) on ``hidden @ weight.T`` without the batch's logits.
+r"""Preference losses (DPO, ORPO, SimPO, KTO, CPO) on ``hidden @ weight.T`` without the batch's logits.
 
-**The data.** A batch holds B prompts, each with a chosen and a rejected response: ``hidden`` is (2B, T, H),
-rows [0, B) the chosen sequences and rows [B, 2B) the rejected ones of the same prompts, ``target`` (2B, T)
-the token each position predicts (already shifted), ``ignore_index`` on prompt and padding positions. With
-z = hidden @ weight.T, a sequence's score is built from its token log-probabilities::
+**The data.** A paired batch holds B prompts, each with a chosen and a rejected response: ``hidden`` is (2B, T, H),
+rows [0, B) the chosen sequences and rows [B, 2B) the rejected ones of the same prompts, ``target`` (2B, T) the token
+each position predicts (already shifted), ``ignore_index`` on prompt and padding positions. KTO's batch is unpaired:
+``hidden`` (B, T, H) holds B completions, each desirable or undesirable (``label`` (B,)). With z = hidden @ weight.T,
+a sequence's score is built from its token log-probabilities::
 
     logp = sum over kept positions t of log_softmax(z_t)[target_t]     (0 for a sequence with none kept)
     avg  = logp / max(n, 1),  n = its number of kept positions
 
-and the loss is a mean over the pairs b (chosen c, rejected r; sigma is the logistic function)::
+and the loss is a mean over the units b of the batch (pairs: chosen c, rejected r; KTO: completions), with sigma the
+logistic function and ref a sequence's logp under a frozen reference model (ref_hidden @ ref_weight.T, or given)::
 
-    DPO    mean_b -log sigma(beta * ((logp_c - ref_c) - (logp_r - ref_r)))    ref: the same logp under a frozen
-                                                                            reference model (ref_hidden, ref_weight)
-    SimPO  mean_b -log sigma(beta * (avg_c - avg_r) - gamma)
-    ORPO   mean_b -beta * log sigma(odds(avg_c) - odds(avg_r)),  odds(a) = a - log(1 - exp(a)),
-           plus the SFT term: the chosen sequences' NLL per kept token, -sum_b logp_c / (kept chosen tokens).
+    DPO    TRL 1.16's DPOTrainer, d = (logp_c - ref_c) - (logp_r - ref_r), m = beta d, eps = label_smoothing:
+             sigmoid  -log sigma(m)
+             hinge    relu(1 - m)
+             ipo      ((logp_c - ref_c) / n_c - (logp_r - ref_r) / n_r - 1 / (2 beta))^2
+             robust   (-(1 - eps) log sigma(m) + eps log sigma(-m)) / (1 - 2 eps)
+    SimPO  -log sigma(beta * (avg_c - avg_r) - gamma)
+    ORPO   -beta * log sigma(odds(avg_c) - odds(avg_r)),  odds(a) = a - log(1 - exp(a)),  plus the NLL term
+    CPO    TRL 1.16's CPOTrainer, u = avg (ipo, simpo) or logp (sigmoid, hinge), the reward
+           r(u) = (1 - exp(-alpha u)) / alpha (AlphaPO; r = u for alpha = 0), x = r(u_c) - r(u_r):
+             sigmoid  -(1 - eps) log sigma(beta x) - eps log sigma(-beta x)
+             simpo    the same with x - gamma / beta in place of x
+             hinge    relu(1 - beta x)
+             ipo      (x - 1 / (2 beta))^2
+           plus cpo_alpha times the NLL term
+    KTO    TRL 1.16's KTOTrainer, per completion with lr = logp - ref, s = +1 (desirable) or -1 (undesirable) and w
+           desirable_weight or undesirable_weight:  w * (1 - sigma(s beta (lr - z0))),  z0 the KL estimate
+           (loss_type="kto") or 0 ("apo_zero_unpaired")
+
+The NLL term (ORPO, CPO) is the chosen sequences' NLL per kept token, -sum_b logp_c / (kept chosen tokens): TRL's
+cross-entropy over the chosen labels. ORPO may take it over more positions than the odds (``nll_target``: TRL's
+ORPOTrainer takes it over prompt and response, the odds over the response only).
 
 ``log(1 - exp(a))`` is evaluated as ``log(-expm1(a))`` near 0 and ``log1p(-exp(a))`` further out, each accurate
 on its side (1 - exp(a) itself loses every digit as a approaches 0). It is -inf at a = 0 (a sequence that is
@@ -22,78 +40,160 @@ certain, or one with no kept position), so ORPO caps ``avg`` at :data:`ORPO_MAX_
 odds (no gradient flows through the cap). A sequence whose positions are all ignored has logp = 0 and avg = 0:
 no evidence, and a finite value for every loss.
 
-**The gradient.** Write L = (1/B) sum_b l_b, each l_b a function of its pair's two logp (ORPO's NLL is
-shared out as -B logp_c / (kept chosen tokens) per pair). Only the sequence scores couple the rows, and
+**The gradient.** Write L = (1/U) sum_b l_b over the U units, each l_b a function of its unit's logp (the NLL term
+is shared out as -U logp_c / (kept chosen tokens) per pair). Only the sequence scores couple the rows, and
 d log_softmax(z)[y] / dz = onehot(y) - softmax(z), so for a position t of sequence s::
 
-    dL/dz_t = (1/B) * dl/dlogp_s * dlogp_s/dz_t = (1/B) * (-dl/dlogp_s) * (softmax(z_t) - onehot(target_t))
+    dL/dz_t = (1/U) * dl/dlogp_s * dlogp_s/dz_t = (1/U) * (-dl/dlogp_s) * (softmax(z_t) - onehot(target_t))
 
 which is the cross-entropy gradient of the position, scaled by one number per sequence. Per loss, with
-m the argument of log sigma and d(-log sigma(m))/dm = -sigma(-m)::
+l'(m) the derivative of the margin loss (-sigma(-m) for -log sigma(m); -[m < 1] for relu(1 - m), as
+``torch.relu``'s backward; (-(1 - eps) sigma(-m) - eps sigma(m)) / (1 - 2 eps) for the robust loss)::
 
-    DPO    dl/dlogp_c = -beta * sigma(-m),  dl/dlogp_r = +beta * sigma(-m)
-    SimPO  the same with beta / n_c and beta / n_r        (avg = logp / n)
-    ORPO   dl/dlogp_c = -beta * sigma(-x) * odds'(avg_c) / n_c - B / (kept chosen tokens),
-           dl/dlogp_r = +beta * sigma(-x) * odds'(avg_r) / n_r,   odds'(a) = 1 / (1 - exp(a)), x = odds_c - odds_r
+    DPO    dl/dlogp_c = beta l'(m) = -dl/dlogp_r;   ipo: dl/dlogp_c = 2 q / n_c, dl/dlogp_r = -2 q / n_r, q the bracket
+    SimPO  dl/dlogp_c = -beta sigma(-m) / n_c,  dl/dlogp_r = +beta sigma(-m) / n_r
+    ORPO   dl/dlogp_c = -beta sigma(-x) odds'(avg_c) / n_c,  dl/dlogp_r = +beta sigma(-x) odds'(avg_r) / n_r,
+           odds'(a) = 1 / (1 - exp(a)), x = odds_c - odds_r
+    CPO    dl/dlogp_c = dl/dx * exp(-alpha u_c) * du_c/dlogp_c,  the rejected side with the opposite sign
+           (du/dlogp = 1 / n or 1; dl/dx = beta l'(beta x), -beta [beta x < 1] or 2 (x - 1 / (2 beta)))
+    KTO    dl/dlogp = -w s beta sigma(m) sigma(-m),  m = s beta (lr - z0)
+    NLL    -weight * U / (kept chosen tokens) at each of the chosen sequences' NLL positions
 
-Each loss is a small function from the per-sequence (logp, n[, ref]) of some pairs to their terms l_b and
-dl/dlogp (:data:`PAIR_LOSSES`); everything else is shared.
+Each loss is a small function from the per-sequence (logp, n, ref, ...) of some units to their terms l_b and
+dl/dlogp (:data:`UNIT_LOSSES`); everything else is shared. The reference's scores, the KTO flags and its KL estimate
+are constants: no gradient reaches them.
 
-**Chunking over pairs.** The scale of a sequence's rows is known only once the whole sequence, and its
+**Chunking over units.** The scale of a sequence's rows is known only once the whole sequence, and its
 partner, have been scored. So the chunk loop (:func:`liger_lab.ops.chunked.chunked_linear_loss`) runs over
-*complete pairs*: the hidden rows are gathered into pair order (chosen of prompt 0, rejected of prompt 0,
-chosen of prompt 1, ...; an N x H copy, small next to N x V logits, and none at all for B = 1) and each chunk
-holds the 2kT rows of k pairs. The chunk's step:
+*complete units*: the hidden rows of a paired batch are gathered into pair order (chosen of prompt 0, rejected of
+prompt 0, chosen of prompt 1, ...; an N x H copy, small next to N x V logits, and none at all for B = 1; KTO's rows
+are units as they stand) and each chunk holds the kT rows of k units. The chunk's step:
 
 1. the cross-entropy kernel (:func:`liger_lab.ops.cross_entropy.cross_entropy_rows`) reads the chunk's logits
    once and writes each position's -log p(target) (ignored positions: 0);
-2. the positions are summed per sequence (logp), and the pair function gives the chunk's terms and
+2. the positions are summed per sequence (logp), and the unit function gives the chunk's terms and
    dl/dlogp for each sequence;
 3. the kernel runs again over the same logits with the per-row scale -dl/dlogp of each row's sequence and
    writes (softmax - onehot) * scale over z, in fp32 registers, rounded once to the logits' dtype.
 
-The loop then makes dW += dz.T @ h and dh = dz @ W for the chunk, with the 1/B of the mean (and DPO's and
-SimPO's beta, a factor of every row's scale) on the matmuls' ``alpha`` rather than in the fp16/bf16 dz.
+The loop then makes dW += dz.T @ h and dh = dz @ W for the chunk, with the 1/U of the mean (and beta, where it is a
+factor of every row's scale and no NLL term is added) on the matmuls' ``alpha`` rather than in the fp16/bf16 dz.
 Running the kernel twice reads the logits three times and writes them once; computing the unscaled gradient
 and rescaling it afterwards (``scale_rows``) would read three times and write twice, and would round the
 gradient to fp16/bf16 before scaling it. Finally dh is put back into the caller's row order.
 
-DPO's reference scores come first, from the same chunk loop over ``ref_hidden @ ref_weight.T`` with no gradient:
-only per-position log-probabilities are kept (N floats), never the reference's logits beyond one chunk.
+With ``nll_target`` a chosen position may count for the NLL and not for the odds (a prompt token). The kernel takes
+one target per position, so the two must agree where both keep a position (a ValueError in the interpreter; NaN
+loss and gradients on the GPU, which checks without making the host wait), and the row scale is then set per
+position: -dl/dlogp where the odds count it, plus the NLL's weight where the NLL does.
 
-**Memory.** One chunk of logits (2kT x V), the N x H pair-ordered copy of hidden and the N x H gradient (put
-back in the caller's order by one more N x H copy when B > 1).
-:data:`CHUNK_BUDGET_BYTES` sets how many pairs a chunk holds (at least one: with T = 1024, V = 128256 in
-bf16 a single pair's logits are 501 MiB). dW is accumulated over chunks as in the fused linear cross-entropy
-(``accumulation``). Gradients are made in the forward; the backward multiplies them by the upstream gradient.
+The reference's scores come first, from the same chunk loop over ``ref_hidden @ ref_weight.T`` with no gradient:
+only per-position log-probabilities are kept (N floats), never the reference's logits beyond one chunk. Or the
+caller gives them (``ref_logps``, as TRL's ``precompute_ref_log_probs`` does).
+
+**Sequence scores for the metrics.** The operator also returns each sequence's score in float32, the
+``chosen_logps`` / ``rejected_logps`` a TRL trainer logs (logp, or avg for the length-normalised losses: ORPO, SimPO,
+CPO's ipo and simpo), and the reference's logp when there is a reference. They are by-products of step 2, so cost
+nothing, and are not differentiable: a gradient through them would need the logits again.
+
+**Memory.** One chunk of logits (kT x V), the N x H unit-ordered copy of hidden and the N x H gradient (put
+back in the caller's order by one more N x H copy when B > 1). :data:`CHUNK_BUDGET_BYTES` sets how many units a
+chunk holds (at least one: with T = 1024, V = 128256 in bf16 a single pair's logits are 501 MiB). dW is accumulated
+over chunks as in the fused linear cross-entropy (``accumulation``). Gradients are made in the forward; the backward
+multiplies them by the upstream gradient.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from liger_lab import runtime
 from liger_lab.ops.chunked import ChunkGrads, chunked_linear_loss
-from liger_lab.ops.common import check_float
-from liger_lab.ops.cross_entropy import LossOptions, check_loss_options, check_target, check_target_tensor
+from liger_lab.ops.common import check_float, is_finite, row_count, same_shape
+from liger_lab.ops.cross_entropy import (
+    LossOptions,
+    check_loss_options,
+    check_target,
+    check_target_tensor,
+    nan_if_out_of_range,
+    refuse_second_derivative,
+)
 from liger_lab.ops.cross_entropy import cross_entropy_rows as _token_losses
 from liger_lab.ops.fused_linear_cross_entropy import MIB, accumulation_dtype, check_chunk_options, finish_grads
 
 CHUNK_BUDGET_BYTES = 240 * MIB
-"""Bytes of one chunk of logits; a chunk holds as many complete pairs as fit, at least one."""
+"""Bytes of one chunk of logits; a chunk holds as many complete units (pairs, KTO's completions) as fit, at least
+one."""
 ORPO_MAX_AVG_LOGP = -1e-6
 """ORPO's cap on a sequence's mean token log-probability before the odds (see the module docstring)."""
-LOSSES = ("dpo", "orpo", "simpo")
+LOSSES = ("dpo", "orpo", "simpo", "kto", "cpo")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
+"""TRL 1.16's DPOTrainer loss types implemented here (``DPOConfig.loss_type``)."""
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+"""TRL 1.16's KTOTrainer loss types (``KTOConfig.loss_type``)."""
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
+"""TRL 1.16's CPOTrainer loss types (``CPOConfig.loss_type``); "alphapo" is CPOConfig's shorthand for "simpo" with
+cpo_alpha = 0."""
+SMOOTHED = {"dpo": ("robust",), "cpo": ("sigmoid", "simpo")}
+"""The loss types that read ``label_smoothing``; any other takes none (TRL 1.16 ignores it there, so a value would
+be silently dropped: a ValueError here)."""
+
+
+@dataclass(frozen=True)
+class PreferenceOptions:
+    """The scalars of one call, validated by the public functions (named as TRL's config fields where TRL has one)."""
+
+    loss: str
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    gamma: float = 0.0
+    """SimPO's gamma, CPO's simpo_gamma."""
+    label_smoothing: float = 0.0
+    alpha: float = 0.0
+    """CPO's AlphaPO reward shape (0: the log-probability itself)."""
+    nll_weight: float = 0.0
+    """The weight of the chosen sequences' NLL: 1 for ORPO, cpo_alpha for CPO, 0 otherwise."""
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    def arguments(self) -> tuple[str, str, float, float, float, float, float, float, float]:
+        """The fields in the operator's order (spelled out: ``dataclasses.astuple`` would break a compiled graph)."""
+        return (self.loss, self.loss_type, self.beta, self.gamma, self.label_smoothing, self.alpha, self.nll_weight,
+                self.desirable_weight, self.undesirable_weight)  # fmt: skip
+
+
+def group_size(loss: str) -> int:
+    """Sequences per unit: KTO's completions stand alone, every other loss scores pairs."""
+    return 1 if loss == "kto" else 2
+
+
+def averages(o: PreferenceOptions) -> bool:
+    """Whether the loss scores a sequence by its mean token log-probability (else by the sum)."""
+    return o.loss in ("orpo", "simpo") or (o.loss == "cpo" and o.loss_type in ("ipo", "simpo"))
 
 
 # --------------------------------------------------------------------------------------------------
-# The per-pair losses: (logp, n, ref) of k pairs, each (k, 2) float64 [chosen, rejected], to the pairs'
-# terms l_b (k,) and dl/dlogp (k, 2). ``nll_scale`` is B / (kept chosen tokens), ORPO's NLL weight.
+# The per-unit losses: the scores of k units, each (k, g) float64 (g sequences per unit: [chosen, rejected] for a
+# pair), to the units' terms l_b (k,) and dl/dlogp (k, g). The NLL term is added by the caller.
 
-PairLoss = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+@dataclass
+class Scores:
+    """Per-sequence inputs of the loss for k units, float64 (k, g); the flags (k, 1) bool, the KL estimate ()."""
+
+    logp: torch.Tensor
+    n: torch.Tensor
+    ref: torch.Tensor | None = None
+    desirable: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+
+
+UnitLoss = Callable[[Scores, PreferenceOptions], tuple[torch.Tensor, torch.Tensor]]
 
 
 def log1mexp(a: torch.Tensor) -> torch.Tensor:
@@ -107,53 +207,116 @@ def _sides(d_margin: torch.Tensor) -> torch.Tensor:
     return torch.stack([d_margin, -d_margin], dim=1)
 
 
-def dpo_pairs(logp, n, ref, *, beta, gamma, nll_scale):
-    margin = beta * ((logp[:, 0] - ref[:, 0]) - (logp[:, 1] - ref[:, 1]))
-    return -F.logsigmoid(margin), _sides(-beta * torch.sigmoid(-margin))
+def _sigmoid_loss(m: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-(1 - eps) log sigma(m) - eps log sigma(-m) and its derivative in m (eps = 0: -log sigma(m) exactly)."""
+    value = -(1 - eps) * F.logsigmoid(m) - eps * F.logsigmoid(-m)
+    return value, -(1 - eps) * torch.sigmoid(-m) + eps * torch.sigmoid(m)
 
 
-def simpo_pairs(logp, n, ref, *, beta, gamma, nll_scale):
-    n = n.clamp(min=1)
-    avg = logp / n
-    margin = beta * (avg[:, 0] - avg[:, 1]) - gamma
-    return -F.logsigmoid(margin), _sides(-beta * torch.sigmoid(-margin)) / n
+def _robust_loss(m: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Robust DPO's unbiased estimate under a label flipped with probability eps, and its derivative in m."""
+    value = (-(1 - eps) * F.logsigmoid(m) + eps * F.logsigmoid(-m)) / (1 - 2 * eps)
+    return value, (-(1 - eps) * torch.sigmoid(-m) - eps * torch.sigmoid(m)) / (1 - 2 * eps)
 
 
-def orpo_pairs(logp, n, ref, *, beta, gamma, nll_scale):
-    n = n.clamp(min=1)
-    avg = logp / n
+def _hinge_loss(m: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """relu(1 - m) and its derivative in m: -1 where 1 - m > 0, else 0 (``torch.relu``'s backward: 0 at the kink)."""
+    return torch.relu(1 - m), -(m < 1).to(m.dtype)
+
+
+MARGIN_LOSSES = {"sigmoid": _sigmoid_loss, "simpo": _sigmoid_loss, "robust": _robust_loss, "hinge": _hinge_loss}
+
+
+def dpo_pairs(s: Scores, o: PreferenceOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio = s.logp - s.ref
+    if o.loss_type == "ipo":  # TRL normalises IPO's log-ratios by the completion lengths
+        n = s.n.clamp(min=1)
+        q = (ratio[:, 0] / n[:, 0] - ratio[:, 1] / n[:, 1]) - 1 / (2 * o.beta)
+        return q * q, _sides(2 * q) / n
+    margin = o.beta * (ratio[:, 0] - ratio[:, 1])
+    value, d_margin = MARGIN_LOSSES[o.loss_type](margin, o.label_smoothing)
+    return value, _sides(o.beta * d_margin)
+
+
+def simpo_pairs(s: Scores, o: PreferenceOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    n = s.n.clamp(min=1)
+    avg = s.logp / n
+    margin = o.beta * (avg[:, 0] - avg[:, 1]) - o.gamma
+    return -F.logsigmoid(margin), _sides(-o.beta * torch.sigmoid(-margin)) / n
+
+
+def orpo_pairs(s: Scores, o: PreferenceOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    n = s.n.clamp(min=1)
+    avg = s.logp / n
     capped = avg.clamp(max=ORPO_MAX_AVG_LOGP)
     odds = capped - log1mexp(capped)
     x = odds[:, 0] - odds[:, 1]
     d_odds = torch.where(avg <= ORPO_MAX_AVG_LOGP, 1 / -torch.expm1(capped), 0.0)  # 1 / (1 - exp(a))
-    d_logp = _sides(-beta * torch.sigmoid(-x)) * d_odds / n
-    d_logp[:, 0] -= nll_scale
-    return -beta * F.logsigmoid(x) - nll_scale * logp[:, 0], d_logp
+    return -o.beta * F.logsigmoid(x), _sides(-o.beta * torch.sigmoid(-x)) * d_odds / n
 
 
-PAIR_LOSSES: dict[str, PairLoss] = {"dpo": dpo_pairs, "orpo": orpo_pairs, "simpo": simpo_pairs}
+def cpo_pairs(s: Scores, o: PreferenceOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    n = s.n.clamp(min=1) if averages(o) else torch.ones_like(s.n)
+    u = s.logp / n
+    reward, d_reward = u, torch.ones_like(u)
+    if o.alpha != 0:  # AlphaPO: (1 - p^-alpha) / alpha with p = exp(u), without forming p^-alpha - 1 by subtraction
+        reward, d_reward = -torch.expm1(-o.alpha * u) / o.alpha, torch.exp(-o.alpha * u)
+    x = reward[:, 0] - reward[:, 1]
+    if o.loss_type == "ipo":
+        q = x - 1 / (2 * o.beta)
+        value, d_x = q * q, 2 * q
+    else:
+        if o.loss_type == "simpo":
+            x = x - o.gamma / o.beta
+        value, d_margin = MARGIN_LOSSES[o.loss_type](o.beta * x, o.label_smoothing)
+        d_x = o.beta * d_margin
+    return value, _sides(d_x) * d_reward / n
+
+
+def kto_singles(s: Scores, o: PreferenceOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    sign = torch.where(s.desirable, 1.0, -1.0).to(s.logp.dtype)
+    shift = s.kl if o.loss_type == "kto" and s.kl is not None else 0.0
+    m = sign * o.beta * ((s.logp - s.ref) - shift)
+    weight = torch.where(s.desirable, o.desirable_weight, o.undesirable_weight).to(s.logp.dtype)
+    low, high = torch.sigmoid(-m), torch.sigmoid(m)  # 1 - sigma(m) as sigma(-m): exact where sigma(m) rounds to 1
+    return (weight * low)[:, 0], -weight * sign * o.beta * high * low
+
+
+UNIT_LOSSES: dict[str, UnitLoss] = {
+    "dpo": dpo_pairs, "orpo": orpo_pairs, "simpo": simpo_pairs, "kto": kto_singles, "cpo": cpo_pairs,
+}  # fmt: skip
+
+
+def beta_factor(o: PreferenceOptions) -> float:
+    """The factor every row's scale shares, which rides on the matmuls' alpha: beta where dl/dlogp is beta times a
+    number of order 1 and no NLL term adds to it, so that a small beta does not push the fp16 gradient written over
+    the logits below fp16's range; else 1."""
+    factored = o.loss_type != "ipo" and o.loss in ("dpo", "simpo", "kto", "cpo")
+    return o.beta if factored and o.beta > 0 and o.nll_weight == 0 else 1.0
 
 
 # --------------------------------------------------------------------------------------------------
-# The chunk loop over pairs.
+# The chunk loop over units.
 
 
-def chunk_pairs_for(n_pairs: int, seq_len: int, vocab: int, dtype: torch.dtype, budget: int | None = None) -> int:
-    """Pairs per chunk: as many as have their 2 T x V logits in ``budget`` bytes (default
-    :data:`CHUNK_BUDGET_BYTES`), at least one, at most B."""
+def chunk_pairs_for(
+    n_pairs: int, seq_len: int, vocab: int, dtype: torch.dtype, budget: int | None = None, *, group: int = 2
+) -> int:
+    """Units per chunk: as many as have their ``group`` T x V logits (a pair's two, by default) in ``budget`` bytes
+    (default :data:`CHUNK_BUDGET_BYTES`), at least one, at most ``n_pairs``."""
     budget = CHUNK_BUDGET_BYTES if budget is None else budget
-    per_pair = 2 * seq_len * vocab * torch.empty((), dtype=dtype).element_size()
-    return max(1, min(n_pairs, budget // max(per_pair, 1)))
+    per_unit = group * seq_len * vocab * torch.empty((), dtype=dtype).element_size()
+    return max(1, min(n_pairs, budget // max(per_unit, 1)))
 
 
-def _pair_order(x: torch.Tensor, n_pairs: int) -> torch.Tensor:
-    """(2B, T, ...) in caller order -> (2B * T, ...) rows in pair order (a copy unless B <= 1)."""
-    return x.reshape(2, n_pairs, *x.shape[1:]).transpose(0, 1).reshape(-1, *x.shape[2:])
+def _unit_order(x: torch.Tensor, n_units: int, group: int) -> torch.Tensor:
+    """(g U, T, ...) in caller order -> (g U T, ...) rows in unit order (a copy unless U <= 1 or g = 1)."""
+    return x.reshape(group, n_units, *x.shape[1:]).transpose(0, 1).reshape(-1, *x.shape[2:])
 
 
-def _by_pair(per_sequence: torch.Tensor, n_pairs: int) -> torch.Tensor:
-    """(2B,) values in caller order -> (B, 2) [chosen, rejected]."""
-    return per_sequence.view(2, n_pairs).t()
+def _by_unit(per_sequence: torch.Tensor, n_units: int, group: int) -> torch.Tensor:
+    """(g U,) values in caller order -> (U, g): [chosen, rejected] of each pair, or KTO's (U, 1)."""
+    return per_sequence.view(group, n_units).t()
 
 
 def _sequence_logps(token_losses: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -162,7 +325,7 @@ def _sequence_logps(token_losses: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 def _reference_logps(ref_hidden, ref_weight, target, options, chunk_rows):
-    """(2B,) float64 log-probabilities of the targets under the reference model, in caller order, no gradient."""
+    """(N,) float64 log-probabilities of the targets under the reference model, in caller order, no gradient."""
     rows = ref_hidden.reshape(-1, ref_hidden.shape[-1])
     flat_target = target.reshape(-1).contiguous()
     token_losses = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
@@ -176,57 +339,117 @@ def _reference_logps(ref_hidden, ref_weight, target, options, chunk_rows):
     return _sequence_logps(token_losses, target.shape[1])
 
 
-def _forward(hidden, weight, target, ref_hidden, ref_weight, loss, beta, gamma, ignore_index, chunk_pairs,
-             accumulation, needs):  # fmt: skip
-    """(fp32 loss, dh (2B T, H) in caller order or None, dW accumulator or None)."""
+def _nan_if_disagreeing(target: torch.Tensor, nll_target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """An fp32 scalar on the device: 1, or NaN where a position kept by both targets names two tokens (ValueError
+    where a read costs the host nothing, as :func:`liger_lab.ops.cross_entropy.check_target` does)."""
+    both = (target != ignore_index) & (nll_target != ignore_index)
+    disagreeing = (both & (target != nll_target)).sum()
+    if not runtime.HOST_READS_WAIT and disagreeing.tolist():
+        raise ValueError(
+            f"nll_target differs from target at {disagreeing.tolist()} position(s) that both keep: expected the "
+            f"same token wherever both are not ignore_index={ignore_index} (nll_target may only add positions)"
+        )
+    return torch.where(disagreeing > 0, math.nan, 1.0).to(torch.float32)
+
+
+def _forward(hidden, weight, target, ref_hidden, ref_weight, ref_logps, label, kl, nll_target, o, ignore_index,
+             chunk_units, accumulation, needs):  # fmt: skip
+    """(fp32 loss, dh (N T, H) in caller order or None, dW accumulator or None, the fp32 factor the gradients still
+    owe: 1, or NaN for a bad target; each sequence's float64 logp (N,) in caller order; the reference's (N,) or
+    None)."""
     n_sequences, seq_len, width = hidden.shape
-    n_pairs, vocab = n_sequences // 2, weight.shape[0]
-    check_target(target, hidden.shape[:-1], vocab, ignore_index)  # before anything is computed
+    group = group_size(o.loss)
+    n_units, vocab, device = n_sequences // group, weight.shape[0], hidden.device
+    kept_positions = target != ignore_index
+    token_target = target
+    if nll_target is not None:  # one target per position: the chosen rows' NLL positions join the odds' ones
+        chosen = torch.where(kept_positions[:n_units], target[:n_units], nll_target)
+        token_target = torch.cat([chosen, target[n_units:]])
+    # Before anything is computed: a ValueError in the interpreter; on the GPU, where the counts stay on the
+    # device, a target out of range makes the loss and the gradients NaN (check_target).
+    valid = nan_if_out_of_range(check_target(token_target, hidden.shape[:-1], vocab, ignore_index))
+    if nll_target is not None:
+        valid = valid * _nan_if_disagreeing(target[:n_units], nll_target, ignore_index)
     options = LossOptions(ignore_index=ignore_index)
-    kept = (target != ignore_index).sum(dim=1, dtype=torch.float64)  # (2B,)
-    n = _by_pair(kept, n_pairs)
-    nll_scale = n_pairs / kept[:n_pairs].sum().clamp(min=1)
-    pairs = chunk_pairs or chunk_pairs_for(n_pairs, seq_len, vocab, hidden.dtype)
-    chunk_rows = 2 * seq_len * pairs
-    ref = None
+    kept = kept_positions.sum(dim=1, dtype=torch.float64)  # (N,)
+    n = _by_unit(kept, n_units, group)
+    nll_positions = None
+    if o.nll_weight:  # the NLL's weight per kept position: nll_weight * U / (kept chosen tokens)
+        nll_positions = kept_positions[:n_units] if nll_target is None else nll_target != ignore_index
+        nll_scale = o.nll_weight * n_units / nll_positions.sum(dtype=torch.float64).clamp(min=1)
+    units = chunk_units or chunk_pairs_for(n_units, seq_len, vocab, hidden.dtype, group=group)
+    unit_rows = group * seq_len
+    chunk_rows = unit_rows * units
+    ref_sequences = None
     if ref_hidden is not None:
-        ref = _by_pair(_reference_logps(ref_hidden, ref_weight, target, options, chunk_rows), n_pairs)
-    pair_loss = PAIR_LOSSES[loss]
-    # DPO's and SimPO's dl/dlogp are beta times a number of order 1: beta goes on the matmuls with the 1/B, so
-    # that a small beta does not push the fp16 gradient written over the logits below fp16's range.
-    common_factor = beta if loss in ("dpo", "simpo") and beta > 0 else 1.0
-    terms = torch.zeros(n_pairs, dtype=torch.float64, device=hidden.device)
-    rows = _pair_order(hidden, n_pairs)
-    flat_target = _pair_order(target, n_pairs).contiguous()
-    token_losses = torch.zeros(rows.shape[0], dtype=torch.float32, device=hidden.device)
-    row_scale = torch.empty(min(chunk_rows, rows.shape[0]), dtype=torch.float32, device=hidden.device)
+        ref_sequences = _reference_logps(ref_hidden, ref_weight, target, options, chunk_rows)
+    elif ref_logps is not None:
+        ref_sequences = ref_logps.to(torch.float64)
+    ref = None if ref_sequences is None else _by_unit(ref_sequences, n_units, group)
+    desirable = None if label is None else (label != 0).view(-1, 1)
+    kl = None if kl is None else kl.to(torch.float64).reshape(())
+    unit_loss = UNIT_LOSSES[o.loss]
+    common_factor = beta_factor(o)
+    terms = torch.zeros(n_units, dtype=torch.float64, device=device)
+    scores = torch.zeros(n_units, group, dtype=torch.float64, device=device)
+    rows = _unit_order(hidden, n_units, group)
+    flat_target = _unit_order(token_target, n_units, group).contiguous()
+    # With nll_target, which positions the odds score and which the NLL does, in unit order (the NLL's: chosen only).
+    scored = nll_mask = None
+    if nll_target is not None:
+        scored = _unit_order(kept_positions, n_units, group).reshape(-1)
+        nll_mask = _unit_order(torch.cat([nll_positions, torch.zeros_like(nll_positions)]), n_units, group)
+        nll_mask = nll_mask.reshape(-1)
+    token_losses = torch.zeros(rows.shape[0], dtype=torch.float32, device=device)
+    row_scale = torch.empty(min(chunk_rows, rows.shape[0]), dtype=torch.float32, device=device)
+
+    def unit_terms(first, last, logp, nll_logp):
+        s = Scores(logp, n[first:last], None if ref is None else ref[first:last],
+                   None if desirable is None else desirable[first:last], kl)  # fmt: skip
+        value, d_logp = unit_loss(s, o)
+        if nll_positions is not None:
+            value = value - nll_scale * nll_logp
+            if nll_mask is None:  # the NLL's positions are the chosen sequence's own: one scale per sequence
+                d_logp[:, 0] -= nll_scale
+        return value, d_logp
 
     def step(z, chunk, write_grad):
-        first, last = chunk.start // (2 * seq_len), chunk.stop // (2 * seq_len)
+        first, last = chunk.start // unit_rows, chunk.stop // unit_rows
         _token_losses(z, flat_target[chunk], token_losses[chunk], options)
-        logp = _sequence_logps(token_losses[chunk], seq_len).view(-1, 2)
-        ref_k = None if ref is None else ref[first:last]
-        terms[first:last], d_logp = pair_loss(logp, n[first:last], ref_k, beta=beta, gamma=gamma, nll_scale=nll_scale)
-        if write_grad:  # dz = (1/B) (-dl/dlogp) (softmax - onehot), with common_factor / B on the matmuls
+        losses = token_losses[chunk]
+        odds_losses = losses if scored is None else torch.where(scored[chunk], losses, 0.0)
+        logp = _sequence_logps(odds_losses, seq_len).view(-1, group)
+        nll_logp = logp[:, 0]
+        if nll_mask is not None:
+            nll_logp = _sequence_logps(torch.where(nll_mask[chunk], losses, 0.0), seq_len).view(-1, group)[:, 0]
+        scores[first:last] = logp
+        terms[first:last], d_logp = unit_terms(first, last, logp, nll_logp)
+        if write_grad:  # dz = (1/U) (-dl/dlogp) (softmax - onehot), with common_factor / U on the matmuls
             scale = row_scale[: z.shape[0]].view(-1, seq_len)
-            scale.copy_((-d_logp / common_factor).reshape(-1, 1).expand(-1, seq_len))
+            per_sequence = (-d_logp / common_factor).reshape(-1, 1)
+            if nll_mask is None:
+                scale.copy_(per_sequence.expand(-1, seq_len))
+            else:  # per position: the odds' scale where they count it, the NLL's weight where it does
+                odds_part = torch.where(scored[chunk].view(-1, seq_len), per_sequence, 0.0)
+                scale.copy_(odds_part + nll_mask[chunk].view(-1, seq_len) * (nll_scale / common_factor))
             _token_losses(z, flat_target[chunk], token_losses[chunk], options, grad=z, row_scale=scale.view(-1))
 
     grads = ChunkGrads(hidden=needs[0], weight=needs[1], weight_grad_dtype=accumulation_dtype(weight, accumulation))
     grad_h = grad_w = None
     if rows.shape[0]:
         grad_h, grad_w, _ = chunked_linear_loss(rows, weight, step, chunk=chunk_rows, grads=grads,
-                                                grad_scale=common_factor / n_pairs)  # fmt: skip
+                                                grad_scale=common_factor / n_units)  # fmt: skip
     else:  # no positions at all (T = 0 or B = 0): every sequence scores 0, nothing depends on the weights
-        empty = torch.zeros(n_pairs, 2, dtype=torch.float64, device=hidden.device)
-        terms = pair_loss(empty, n, ref, beta=beta, gamma=gamma, nll_scale=nll_scale)[0]
-        grad_h = torch.zeros(rows.shape, dtype=hidden.dtype, device=hidden.device) if needs[0] else None
+        terms = unit_terms(0, n_units, scores, scores[:, 0])[0]
+        grad_h = torch.zeros(rows.shape, dtype=hidden.dtype, device=device) if needs[0] else None
         if needs[1]:
             grad_w = torch.zeros(weight.shape, dtype=grads.weight_grad_dtype, device=weight.device)
     if grad_h is not None:  # back to the caller's row order
-        grad_h = grad_h.view(n_pairs, 2, seq_len, width).transpose(0, 1).reshape(n_sequences * seq_len, width)
-    total = (terms.sum() / max(n_pairs, 1)).to(torch.float32)
-    return total, grad_h, grad_w
+        grad_h = grad_h.view(n_units, group, seq_len, width).transpose(0, 1).reshape(n_sequences * seq_len, width)
+    total = (terms.sum() / max(n_units, 1)).to(torch.float32) * valid
+    if averages(o):
+        scores = scores / n.clamp(min=1)
+    return total, grad_h, grad_w, valid, scores.t().reshape(-1), ref_sequences
 
 
 def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -235,7 +458,7 @@ def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# The PyTorch operator (one for the three losses) and its autograd (an autograd.Function, as for the fused
+# The PyTorch operator (one for every preference loss) and its autograd (an autograd.Function, as for the fused
 # linear cross-entropy: the backward scales the operator's outputs in place).
 
 
@@ -246,70 +469,102 @@ def fused_linear_preference_op(
     target: torch.Tensor,
     ref_hidden: torch.Tensor | None,
     ref_weight: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    label: torch.Tensor | None,
+    kl: torch.Tensor | None,
+    nll_target: torch.Tensor | None,
     loss: str,
+    loss_type: str,
     beta: float,
     gamma: float,
+    label_smoothing: float,
+    alpha: float,
+    nll_weight: float,
+    desirable_weight: float,
+    undesirable_weight: float,
     ignore_index: int,
-    chunk_pairs: int | None,
+    chunk_units: int | None,
     accumulation: str,
     needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 loss, dh (2B T, H), dW accumulator); a gradient not in ``needs`` (hidden, weight) is empty."""
-    total, grad_h, grad_w = _forward(
-        hidden, weight, target, ref_hidden, ref_weight, loss, beta, gamma, ignore_index, chunk_pairs, accumulation,
-        needs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 loss, dh (N T, H), dW accumulator, the fp32 factor they still owe, the sequences' fp32 scores (N,), the
+    reference's fp32 logp (N,)); a gradient not in ``needs`` (hidden, weight), or the reference's logp without a
+    reference, is empty."""
+    o = PreferenceOptions(loss, loss_type, beta, gamma, label_smoothing, alpha, nll_weight, desirable_weight,
+                          undesirable_weight)  # fmt: skip
+    total, grad_h, grad_w, owed, scores, ref = _forward(
+        hidden, weight, target, ref_hidden, ref_weight, ref_logps, label, kl, nll_target, o, ignore_index,
+        chunk_units, accumulation, needs,
     )  # fmt: skip
-    return total, _or_empty(grad_h, hidden), _or_empty(grad_w, weight)
+    ref = hidden.new_empty(0, dtype=torch.float32) if ref is None else ref.to(torch.float32)
+    return total, _or_empty(grad_h, hidden), _or_empty(grad_w, weight), owed, scores.to(torch.float32), ref
 
 
 @fused_linear_preference_op.register_fake
-def _(hidden, weight, target, ref_hidden, ref_weight, loss, beta, gamma, ignore_index, chunk_pairs, accumulation,
+def _(hidden, weight, target, ref_hidden, ref_weight, ref_logps, label, kl, nll_target, loss, loss_type, beta, gamma,
+      label_smoothing, alpha, nll_weight, desirable_weight, undesirable_weight, ignore_index, chunk_units, accumulation,
       needs):  # fmt: skip
-    grad_h = hidden.new_empty(hidden.shape[:-1].numel(), hidden.shape[-1]) if needs[0] else hidden.new_empty(0)
+    grad_h = hidden.new_empty(row_count(hidden), hidden.shape[-1]) if needs[0] else hidden.new_empty(0)
     grad_w = weight.new_empty(weight.shape, dtype=accumulation_dtype(weight, accumulation)) if needs[1] else None
-    return hidden.new_empty((), dtype=torch.float32), grad_h, _or_empty(grad_w, weight)
+    total, owed = (hidden.new_empty((), dtype=torch.float32) for _ in range(2))
+    scores = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+    has_ref = ref_hidden is not None or ref_logps is not None
+    ref = hidden.new_empty(hidden.shape[0] if has_ref else 0, dtype=torch.float32)
+    return total, grad_h, _or_empty(grad_w, weight), owed, scores, ref
 
 
 class FusedLinearPreferenceFunction(torch.autograd.Function):
-    """Gradients made in the forward; the backward scales them by the upstream gradient. The reference
-    model's tensors and the target get none."""
+    """Gradients made in the forward; the backward scales them by the upstream gradient. Returns (loss, the
+    sequences' scores, the reference's logp): the scores are metrics, not differentiable. The reference model's
+    tensors, the targets, the flags and the KL estimate get no gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, ref_hidden, ref_weight, arguments):
+    def forward(ctx, hidden, weight, target, ref_hidden, ref_weight, ref_logps, label, kl, nll_target, arguments):
         needs = arguments[-1]
         ctx.needs, ctx.hidden_shape, ctx.weight_dtype = (needs[0], needs[1], False), hidden.shape, weight.dtype
-        total, grad_h, grad_w = torch.ops.liger_lab.fused_linear_preference(
-            hidden, weight, target, ref_hidden, ref_weight, *arguments
+        ctx.loss = arguments[0]
+        total, grad_h, grad_w, owed, scores, ref = torch.ops.liger_lab.fused_linear_preference(
+            hidden, weight, target, ref_hidden, ref_weight, ref_logps, label, kl, nll_target, *arguments
         )
-        ctx.save_for_backward(grad_h, grad_w)
-        return total
+        ctx.save_for_backward(grad_h, grad_w, owed)
+        ctx.mark_non_differentiable(scores, ref)
+        return total, scores, ref
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        grad_h, grad_w, _ = finish_grads(*ctx.saved_tensors, None, grad_loss, ctx)
-        return None if grad_h is None else grad_h.detach(), grad_w, None, None, None, None
+    def backward(ctx, grad_loss, grad_scores, grad_ref):
+        refuse_second_derivative(f"fused_linear_{ctx.loss}")
+        grad_h, grad_w, owed = ctx.saved_tensors
+        grad_h, grad_w, _ = finish_grads(grad_h, grad_w, None, grad_loss, ctx, owed)
+        return None if grad_h is None else grad_h.detach(), grad_w, *(None,) * 8
 
 
 # --------------------------------------------------------------------------------------------------
-# Public functions.
+# Validation.
 
 
 def _check_number(name: str, value: float, *, non_negative: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value):
         raise ValueError(f"{name} is {value!r}: expected a finite number")
     if non_negative and value < 0:
         raise ValueError(f"{name} is {value}: expected a number >= 0")
     return float(value)
 
 
-def _check_head(hidden_name, hidden, weight_name, weight, n_sequences_like=None):
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} is {value!r}: expected one of {choices}")
+    return value
+
+
+PAIRED_LAYOUT = "(2B, T, H), rows [0, B) the chosen and [B, 2B) the rejected sequences"
+UNPAIRED_LAYOUT = "(B, T, H), B completions each flagged by label"
+
+
+def _check_head(hidden_name, hidden, weight_name, weight, n_sequences_like=None, layout=PAIRED_LAYOUT):
     check_float(hidden_name, hidden)
     check_float(weight_name, weight)
     if hidden.dim() != 3:
-        raise ValueError(
-            f"{hidden_name} has shape {tuple(hidden.shape)}: expected (2B, T, H), rows [0, B) the chosen and "
-            f"[B, 2B) the rejected sequences"
-        )
+        raise ValueError(f"{hidden_name} has shape {tuple(hidden.shape)}: expected {layout}")
     if n_sequences_like is not None and hidden.shape[:2] != n_sequences_like:
         raise ValueError(
             f"{hidden_name} has shape {tuple(hidden.shape)}: expected ({n_sequences_like[0]}, {n_sequences_like[1]}, "
@@ -326,34 +581,97 @@ def _check_head(hidden_name, hidden, weight_name, weight, n_sequences_like=None)
         )
 
 
-def _preference(loss, hidden, weight, target, ref_hidden, ref_weight, *, beta, gamma, ignore_index, chunk_pairs,
-                accumulation):  # fmt: skip
-    """Validate everything (ValueError before any work), then run the operator under autograd."""
+KINDS = {"floating": "a floating-point", "flag": "a bool or integer", "index": "an integer (torch.int64)"}
+
+
+def _check_values(name: str, values: object, shape: tuple, what: str, kind: str = "floating") -> None:
+    """A tensor of ``shape`` where the kernels run, of the dtype ``kind`` (see :data:`KINDS`): one value per
+    sequence, or (index) a token per position."""
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+    dtype = values.dtype
+    fits = {"floating": dtype.is_floating_point, "flag": not dtype.is_floating_point,
+            "index": not dtype.is_floating_point and dtype != torch.bool}[kind]  # fmt: skip
+    if dtype.is_complex or not fits:
+        raise ValueError(f"{name} has dtype {dtype}: expected {KINDS[kind]} tensor ({what})")
+    runtime.check_device(**{name: values})
+    if not same_shape(values.shape, shape):  # same_shape: no size pinned under torch.compile
+        raise ValueError(f"{name} has shape {tuple(values.shape)}: expected {tuple(shape)} ({what})")
+
+
+def _check_reference(ref_hidden, ref_weight, ref_logps, hidden, weight, who, layout):
+    """A frozen reference: its head (ref_hidden, ref_weight) or its per-sequence logp (ref_logps), exactly one."""
+    if ref_logps is not None:
+        if ref_hidden is not None or ref_weight is not None:
+            raise ValueError(f"{who} takes the reference as ref_hidden and ref_weight or as ref_logps, not both")
+        what = "the reference's log-probability of each sequence, in hidden's row order"
+        _check_values("ref_logps", ref_logps, hidden.shape[:1], what)
+        return
+    if ref_hidden is None or ref_weight is None:
+        raise ValueError(
+            f"{who} needs a reference model: ref_hidden and ref_weight (its hidden states and lm_head weight), or "
+            f"ref_logps (its log-probability of each sequence, precomputed)"
+        )
+    _check_head("ref_hidden", ref_hidden, "ref_weight", ref_weight, hidden.shape[:2], layout)
+    if ref_weight.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"ref_weight has {ref_weight.shape[0]} rows: expected the policy's vocabulary size {weight.shape[0]}"
+        )
+
+
+def _check_smoothing(loss: str, loss_type: str, label_smoothing: float) -> float:
+    """label_smoothing in [0, 1], and 0 for a loss type that does not read it (see :data:`SMOOTHED`)."""
+    label_smoothing = _check_number("label_smoothing", label_smoothing, non_negative=True)
+    if label_smoothing > 1:
+        raise ValueError(f"label_smoothing is {label_smoothing}: expected a number in [0, 1]")
+    if label_smoothing and loss_type not in SMOOTHED[loss]:
+        raise ValueError(
+            f"label_smoothing is {label_smoothing}: loss_type={loss_type!r} takes none (TRL 1.16 reads it for "
+            f"loss_type in {SMOOTHED[loss]} only)"
+        )
+    return label_smoothing
+
+
+def _preference(o, hidden, weight, target, *, ref=(None, None, None), label=None, kl=None, nll_target=None,
+                ignore_index, chunk_name, chunk_units, accumulation, return_logps):  # fmt: skip
+    """Validate what every loss shares (ValueError before any work), then run the operator under autograd. Returns
+    the loss, or (loss, the sequences' scores (N,), the reference's logp (N,) or an empty tensor)."""
     check_loss_options(LossOptions(ignore_index=ignore_index))
-    beta = _check_number("beta", beta, non_negative=True)
-    gamma = _check_number("gamma", gamma, non_negative=False)
-    _check_head("hidden", hidden, "weight", weight)
-    if hidden.shape[0] % 2:
+    paired = group_size(o.loss) == 2
+    layout = PAIRED_LAYOUT if paired else UNPAIRED_LAYOUT
+    _check_head("hidden", hidden, "weight", weight, layout=layout)
+    if paired and hidden.shape[0] % 2:
         raise ValueError(
             f"hidden has {hidden.shape[0]} sequences: expected an even number 2B, rows [0, B) chosen and [B, 2B) "
             f"rejected responses to the same B prompts"
         )
-    if loss == "dpo":
-        _check_head("ref_hidden", ref_hidden, "ref_weight", ref_weight, hidden.shape[:2])
-        if ref_weight.shape[0] != weight.shape[0]:
-            raise ValueError(
-                f"ref_weight has {ref_weight.shape[0]} rows: expected the policy's vocabulary size {weight.shape[0]}"
-            )
+    ref_hidden, ref_weight, ref_logps = ref
+    if o.loss in ("dpo", "kto"):
+        _check_reference(ref_hidden, ref_weight, ref_logps, hidden, weight, f"fused_linear_{o.loss}", layout)
     check_target_tensor(target, hidden.shape[:-1])
-    accumulation = check_chunk_options("chunk_pairs", chunk_pairs, accumulation)
+    if nll_target is not None:
+        _check_values("nll_target", nll_target, (hidden.shape[0] // 2, hidden.shape[1]),
+                      "(B, T): the chosen rows' targets of the NLL term", "index")  # fmt: skip
+    accumulation = check_chunk_options(chunk_name, chunk_units, accumulation)
     if ref_hidden is not None:  # a frozen model: constants of the call
         ref_hidden, ref_weight = ref_hidden.detach(), ref_weight.detach()
+    constants = [None if t is None else t.detach() for t in (ref_logps, label, kl)]
     grad_on = torch.is_grad_enabled()
     needs = [grad_on and hidden.requires_grad, grad_on and weight.requires_grad]
-    arguments = (loss, beta, gamma, ignore_index, chunk_pairs, accumulation, needs)
+    arguments = (*o.arguments(), ignore_index, chunk_units, accumulation, needs)
+    tensors = (hidden, weight, target, ref_hidden, ref_weight, *constants, nll_target)
     if any(needs):
-        return FusedLinearPreferenceFunction.apply(hidden, weight, target, ref_hidden, ref_weight, arguments)
-    return torch.ops.liger_lab.fused_linear_preference(hidden, weight, target, ref_hidden, ref_weight, *arguments)[0]
+        total, scores, ref_scores = FusedLinearPreferenceFunction.apply(*tensors, arguments)
+    else:
+        total, _, _, _, scores, ref_scores = torch.ops.liger_lab.fused_linear_preference(*tensors, *arguments)
+    return (total, scores, ref_scores) if return_logps else total
+
+
+def _pair_outputs(outputs, n_pairs: int, with_reference: bool = False):
+    """(loss, scores, ref) -> (loss, chosen, rejected[, ref_chosen, ref_rejected]) for a paired loss."""
+    total, scores, ref = outputs
+    split = (scores[:n_pairs], scores[n_pairs:])
+    return (total, *split, ref[:n_pairs], ref[n_pairs:]) if with_reference else (total, *split)
 
 
 _COMMON_DOC = """
@@ -363,8 +681,14 @@ _COMMON_DOC = """
     reach ``hidden`` and ``weight``. The logits are never held for the whole batch: the loop runs over
     chunks of complete pairs (``chunk_pairs`` of them; default from :data:`CHUNK_BUDGET_BYTES`), and
     ``accumulation`` sums dW over chunks as in :func:`liger_lab.fused_linear_cross_entropy`. A sequence with
-    every position ignored scores logp = 0, avg = 0. Odd 2B, mismatched shapes or dtypes, or a target out of
-    range raise ValueError. The caller's tensors are never modified.
+    every position ignored scores logp = 0, avg = 0. Odd 2B, mismatched shapes or dtypes raise ValueError, and so
+    does a target out of range in the interpreter; on the GPU, which checks it without making the host wait, such
+    a target makes the loss and the gradients NaN. The caller's tensors are never modified.
+
+    ``return_logps=True`` returns ``(loss, chosen_logps, rejected_logps)`` instead, each (B,) float32: the sequence
+    scores the loss is built from and the TRL trainer logs as ``logps/chosen`` and ``logps/rejected`` (see each
+    loss for sum or mean). They come free with the loss and are not differentiable (metrics: no gradient flows
+    back through them).
 """
 
 
@@ -372,24 +696,48 @@ def fused_linear_dpo(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    ref_hidden: torch.Tensor,
-    ref_weight: torch.Tensor,
+    ref_hidden: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
     *,
     beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    ref_logps: torch.Tensor | None = None,
     ignore_index: int = -100,
     chunk_pairs: int | None = None,
     accumulation: str | None = None,
-) -> torch.Tensor:
-    return _preference(
-        "dpo", hidden, weight, target, ref_hidden, ref_weight, beta=beta, gamma=0.0, ignore_index=ignore_index,
-        chunk_pairs=chunk_pairs, accumulation=accumulation,
+    return_logps: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    loss_type = _check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
+    beta = _check_number("beta", beta, non_negative=True)
+    if loss_type == "ipo" and beta == 0:
+        raise ValueError("beta is 0: loss_type='ipo' needs beta > 0 (its target margin is 1 / (2 beta))")
+    label_smoothing = _check_smoothing("dpo", loss_type, label_smoothing)
+    if loss_type == "robust" and label_smoothing >= 0.5:
+        raise ValueError(f"label_smoothing is {label_smoothing}: loss_type='robust' needs it in [0, 0.5)")
+    o = PreferenceOptions("dpo", loss_type, beta, label_smoothing=label_smoothing)
+    outputs = _preference(
+        o, hidden, weight, target, ref=(ref_hidden, ref_weight, ref_logps), ignore_index=ignore_index,
+        chunk_name="chunk_pairs", chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
     )  # fmt: skip
+    return _pair_outputs(outputs, hidden.shape[0] // 2, with_reference=True) if return_logps else outputs
 
 
 fused_linear_dpo.__doc__ = (
-    """DPO: mean over pairs of -log sigmoid(beta * ((logp_c - ref_c) - (logp_r - ref_r))), logp the summed
-    log-probability of a sequence's kept targets; ref the same under ``ref_hidden`` (2B, T, H_ref) @
-    ``ref_weight.T`` (V, H_ref), a frozen reference model (no gradient, its logits never held beyond a chunk).
+    """DPO, TRL 1.16's ``DPOTrainer`` loss on one micro-batch: the mean over pairs of, with
+    d = (logp_c - ref_c) - (logp_r - ref_r) (logp the summed log-probability of a sequence's kept targets, ref the
+    same under the reference model) and m = beta * d, by ``loss_type``: "sigmoid" -log sigmoid(m); "hinge"
+    relu(1 - m); "ipo" ((logp_c - ref_c) / n_c - (logp_r - ref_r) / n_r - 1 / (2 beta))^2 (n: kept positions, at
+    least 1; beta > 0); "robust" (-(1 - eps) log sigmoid(m) + eps log sigmoid(-m)) / (1 - 2 eps) with
+    eps = ``label_smoothing`` in [0, 0.5). As in TRL 1.16, ``label_smoothing`` is read by "robust" alone; any other
+    loss type with a nonzero value is a ValueError (TRL would silently ignore it).
+
+    The reference is either ``ref_hidden`` (2B, T, H_ref) @ ``ref_weight.T`` (V, H_ref), a frozen model whose
+    logits are never held beyond a chunk, or ``ref_logps`` (2B,): its log-probability of each sequence, chosen
+    rows then rejected (TRL's ``ref_chosen_logps`` and ``ref_rejected_logps`` concatenated, as
+    ``precompute_ref_log_probs`` gives them). Exactly one of the two; neither gets a gradient.
+    With ``return_logps=True``: ``(loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)``, the
+    summed log-probabilities (TRL's ``logps/chosen``; its rewards are beta * (logps - ref_logps)).
 """
     + _COMMON_DOC
 )
@@ -401,20 +749,32 @@ def fused_linear_orpo(
     target: torch.Tensor,
     *,
     beta: float = 0.1,
+    nll_target: torch.Tensor | None = None,
     ignore_index: int = -100,
     chunk_pairs: int | None = None,
     accumulation: str | None = None,
-) -> torch.Tensor:
-    return _preference(
-        "orpo", hidden, weight, target, None, None, beta=beta, gamma=0.0, ignore_index=ignore_index,
-        chunk_pairs=chunk_pairs, accumulation=accumulation,
+    return_logps: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    beta = _check_number("beta", beta, non_negative=True)
+    o = PreferenceOptions("orpo", beta=beta, nll_weight=1.0)
+    outputs = _preference(
+        o, hidden, weight, target, nll_target=nll_target, ignore_index=ignore_index, chunk_name="chunk_pairs",
+        chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
     )  # fmt: skip
+    return _pair_outputs(outputs, hidden.shape[0] // 2) if return_logps else outputs
 
 
 fused_linear_orpo.__doc__ = (
     """ORPO: the chosen sequences' token-mean NLL minus beta * mean over pairs of log sigmoid(odds_c - odds_r),
     odds = avg - log(1 - exp(avg)), avg a sequence's mean token log-probability, capped at
     :data:`ORPO_MAX_AVG_LOGP` (its odds are infinite at 0).
+
+    The NLL is over the chosen rows' kept targets by default. ``nll_target`` (B, T), when given, is the chosen rows'
+    target for the NLL alone: TRL 1.16's ORPOTrainer takes its NLL over prompt and response (the chosen input ids,
+    shifted, ``ignore_index`` at padding only), the odds over the response. It must name the same token as
+    ``target`` wherever both keep a position (it may only add positions, such as the prompt's): a ValueError in the
+    interpreter, NaN loss and gradients on the GPU otherwise. ``return_logps`` gives the mean token
+    log-probabilities (TRL's ORPO ``logps/chosen``).
 """
     + _COMMON_DOC
 )
@@ -430,16 +790,166 @@ def fused_linear_simpo(
     ignore_index: int = -100,
     chunk_pairs: int | None = None,
     accumulation: str | None = None,
-) -> torch.Tensor:
-    return _preference(
-        "simpo", hidden, weight, target, None, None, beta=beta, gamma=gamma, ignore_index=ignore_index,
-        chunk_pairs=chunk_pairs, accumulation=accumulation,
+    return_logps: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    beta = _check_number("beta", beta, non_negative=True)
+    gamma = _check_number("gamma", gamma, non_negative=False)
+    outputs = _preference(
+        PreferenceOptions("simpo", beta=beta, gamma=gamma), hidden, weight, target, ignore_index=ignore_index,
+        chunk_name="chunk_pairs", chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
     )  # fmt: skip
+    return _pair_outputs(outputs, hidden.shape[0] // 2) if return_logps else outputs
 
 
 fused_linear_simpo.__doc__ = (
     """SimPO: mean over pairs of -log sigmoid(beta * (avg_c - avg_r) - gamma), avg a sequence's mean token
-    log-probability (no reference model, no NLL term).
+    log-probability (no reference model, no NLL term; ``return_logps`` gives the avg).
 """
     + _COMMON_DOC
 )
+
+
+def fused_linear_cpo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    cpo_alpha: float = 1.0,
+    simpo_gamma: float = 0.5,
+    alpha: float = 0.0,
+    ignore_index: int = -100,
+    chunk_pairs: int | None = None,
+    accumulation: str | None = None,
+    return_logps: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    loss_type = _check_choice("loss_type", loss_type, CPO_LOSS_TYPES)
+    if loss_type == "alphapo":  # CPOConfig's shorthand, resolved as CPOConfig.__post_init__ does
+        loss_type, cpo_alpha = "simpo", 0.0
+    beta = _check_number("beta", beta, non_negative=True)
+    if loss_type in ("ipo", "simpo") and beta == 0:
+        raise ValueError(f"beta is 0: loss_type={loss_type!r} needs beta > 0 (it divides by beta)")
+    options = {"cpo_alpha": cpo_alpha, "simpo_gamma": simpo_gamma, "alpha": alpha}
+    cpo_alpha, simpo_gamma, alpha = (_check_number(k, v, non_negative=k == "cpo_alpha") for k, v in options.items())
+    label_smoothing = _check_smoothing("cpo", loss_type, label_smoothing)
+    o = PreferenceOptions("cpo", loss_type, beta, simpo_gamma, label_smoothing, alpha, cpo_alpha)
+    outputs = _preference(
+        o, hidden, weight, target, ignore_index=ignore_index, chunk_name="chunk_pairs", chunk_units=chunk_pairs,
+        accumulation=accumulation, return_logps=return_logps,
+    )  # fmt: skip
+    return _pair_outputs(outputs, hidden.shape[0] // 2) if return_logps else outputs
+
+
+fused_linear_cpo.__doc__ = (
+    """CPO, TRL 1.16's ``trl.experimental.cpo.CPOTrainer`` loss on one micro-batch (keywords as ``CPOConfig``'s
+    fields): mean over pairs of the preference term plus ``cpo_alpha`` times the chosen sequences' token-mean NLL.
+    With u a sequence's score (its mean token log-probability for ``loss_type`` "ipo" and "simpo", the sum for
+    "sigmoid" and "hinge"), r = u, or (1 - exp(-alpha u)) / alpha = (1 - p^-alpha) / alpha for ``alpha`` != 0
+    (AlphaPO), and x = r_c - r_r, the term is: "sigmoid" -(1 - eps) log sigmoid(beta x) - eps log sigmoid(-beta x)
+    with eps = ``label_smoothing``; "simpo" the same with x - ``simpo_gamma`` / beta; "hinge" relu(1 - beta x);
+    "ipo" (x - 1 / (2 beta))^2. "alphapo" is CPOConfig's shorthand for "simpo" with cpo_alpha = 0 (set ``alpha``).
+    ``label_smoothing`` is read by "sigmoid" and "simpo" only (TRL ignores it, with a warning, for "hinge" and
+    "ipo": a ValueError here); "ipo" and "simpo" need beta > 0. ``return_logps`` gives the scores u (TRL's
+    ``logps/chosen``; its rewards are beta * r).
+"""
+    + _COMMON_DOC
+)
+
+
+def _check_kl(kl, kl_logps, ref_kl_logps, device: torch.device) -> torch.Tensor | None:
+    """KTO's KL estimate z0 as a device tensor: given (a number or a one-element tensor), or TRL's estimate from the
+    KL completions' log-probabilities, mean(kl_logps - ref_kl_logps) clamped at 0; None for none (0)."""
+    if kl is not None and (kl_logps is not None or ref_kl_logps is not None):
+        raise ValueError("fused_linear_kto takes the KL estimate as kl or as kl_logps and ref_kl_logps, not both")
+    if (kl_logps is None) != (ref_kl_logps is None):
+        raise ValueError("kl_logps and ref_kl_logps come together: the policy's and the reference's log-probabilities "
+                         "of the same KL completions")  # fmt: skip
+    if kl_logps is not None:
+        for name, values in (("kl_logps", kl_logps), ("ref_kl_logps", ref_kl_logps)):
+            if not isinstance(values, torch.Tensor) or values.dim() != 1:
+                raise ValueError(f"{name} must be a 1-D tensor, one log-probability per KL completion")
+        _check_values("kl_logps", kl_logps, kl_logps.shape, "the policy's log-probability of each KL completion")
+        what = "the reference's log-probabilities of the KL completions of kl_logps"
+        _check_values("ref_kl_logps", ref_kl_logps, kl_logps.shape, what)
+        return (kl_logps.detach().to(torch.float64) - ref_kl_logps.detach().to(torch.float64)).mean().clamp(min=0)
+    if kl is None:
+        return None
+    if isinstance(kl, torch.Tensor):
+        if kl.numel() != 1 or kl.dtype.is_complex:
+            raise ValueError(f"kl has shape {tuple(kl.shape)} and dtype {kl.dtype}: expected one real number")
+        runtime.check_device(kl=kl)
+        return kl.reshape(())
+    # A host number: a fill on the device (no copy that would wait for the GPU)
+    return torch.full((), _check_number("kl", kl, non_negative=False), dtype=torch.float64, device=device)
+
+
+def fused_linear_kto(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    label: torch.Tensor,
+    ref_hidden: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
+    *,
+    ref_logps: torch.Tensor | None = None,
+    kl: torch.Tensor | float | None = None,
+    kl_logps: torch.Tensor | None = None,
+    ref_kl_logps: torch.Tensor | None = None,
+    beta: float = 0.1,
+    loss_type: str = "kto",
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    ignore_index: int = -100,
+    chunk_completions: int | None = None,
+    accumulation: str | None = None,
+    return_logps: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """KTO, TRL 1.16's ``KTOTrainer`` loss on one micro-batch (keywords as ``KTOConfig``'s fields).
+
+    hidden (B, T, H): B completions, unpaired; weight (V, H) the policy's ``lm_head`` weight; target (B, T) the
+    token each position predicts (already shifted), ``ignore_index`` on prompt and padding positions; ``label`` (B,)
+    bool or integer, TRL's ``label`` column: nonzero for a desirable completion. With logp a completion's summed
+    log-probability of its kept targets, ref the same under the reference model and lr = logp - ref, the loss is
+    the mean over the B completions of
+
+        desirable:    desirable_weight   * (1 - sigmoid(beta * (lr - z0)))
+        undesirable:  undesirable_weight * (1 - sigmoid(beta * (z0 - lr)))
+
+    z0 = the KL estimate for ``loss_type="kto"``; 0 for "apo_zero_unpaired" (TRL's unpaired APO: the undesirable
+    term is then sigmoid(beta * lr)), which ignores the estimate. The estimate is a constant (TRL computes it under
+    no_grad): give it as ``kl`` (a number or a one-element tensor, used as it is: what TRL has after gathering it
+    over processes and clamping at 0), or as ``kl_logps`` and ``ref_kl_logps`` (1-D, the policy's and the reference's
+    log-probabilities of the KL completions, TRL's mismatched prompt/completion pairs: z0 = their mean difference
+    clamped at 0, TRL's estimate on one process). With neither, z0 = 0: TRL's KTOTrainer always estimates it for
+    "kto", so pass one to match it.
+
+    The reference is ``ref_hidden`` (B, T, H_ref) @ ``ref_weight.T`` (V, H_ref), a frozen model whose logits are
+    never held beyond a chunk, or ``ref_logps`` (B,), its log-probability of each completion (TRL's
+    ``precompute_ref_log_probs``): exactly one. The reference, the labels and the KL terms get no gradient.
+    Returns a float32 scalar (0 for B = 0, where TRL's mean of nothing is NaN); gradients reach ``hidden`` and
+    ``weight``. With ``return_logps=True``: ``(loss, logps, ref_logps)``, each (B,) float32 in the rows' order (the
+    summed log-probabilities: TRL's ``logps/chosen`` and ``logps/rejected`` are their means over the desirable and
+    the undesirable rows, its rewards beta * (logps - ref_logps)); they are metrics, not differentiable.
+
+    The logits are never held for the whole batch: the loop runs over chunks of ``chunk_completions`` completions
+    (default from :data:`CHUNK_BUDGET_BYTES`); ``accumulation`` as in :func:`liger_lab.fused_linear_cross_entropy`. A
+    completion with every position ignored scores logp = 0. Mismatched shapes or dtypes raise ValueError, and so does
+    a target out of range in the interpreter; on the GPU it makes the loss and the gradients NaN. No host read, no
+    caller's tensor modified.
+    """
+    loss_type = _check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
+    beta = _check_number("beta", beta, non_negative=True)
+    weights = [_check_number(k, v, non_negative=True) for k, v in
+               (("desirable_weight", desirable_weight), ("undesirable_weight", undesirable_weight))]  # fmt: skip
+    _check_head("hidden", hidden, "weight", weight, layout=UNPAIRED_LAYOUT)  # first: label and kl need its shape
+    _check_values("label", label, hidden.shape[:1], "TRL's label: nonzero for a desirable completion", "flag")
+    kl = _check_kl(kl, kl_logps, ref_kl_logps, hidden.device)
+    o = PreferenceOptions("kto", loss_type, beta, desirable_weight=weights[0], undesirable_weight=weights[1])
+    outputs = _preference(
+        o, hidden, weight, target, ref=(ref_hidden, ref_weight, ref_logps), label=label, kl=kl,
+        ignore_index=ignore_index, chunk_name="chunk_completions", chunk_units=chunk_completions,
+        accumulation=accumulation, return_logps=return_logps,
+    )  # fmt: skip
+    return outputs

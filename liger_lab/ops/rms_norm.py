@@ -156,7 +156,7 @@ def _forward(
         return y, s, rstd
     launch = launch or runtime.row_launch(n_rows, n_cols)
     # Every argument is passed, None where unused: torch.compile's analysis of a traced launch wants them all.
-    _rms_norm_forward_kernel[(launch.grid,)](
+    runtime.launch_kernel(_rms_norm_forward_kernel, (launch.grid,),
         x, x.stride(0), weight, y, y.stride(0), rstd, n_rows, n_cols, eps, offset,
         GEMMA_CASTING=casting_mode == "gemma", ROWS=launch.rows, BLOCK_N=launch.block_n,
         r_ptr=residual, r_row_stride=0 if residual is None else residual.stride(0),
@@ -226,7 +226,7 @@ def rms_norm_backward(
     dw_partial = torch.empty((launch.grid, n_cols), dtype=torch.float32, device=x.device)
     if ds is not None and ds.stride(-1) != 1:
         ds = ds.contiguous()
-    _rms_norm_backward_kernel[(launch.grid,)](
+    runtime.launch_kernel(_rms_norm_backward_kernel, (launch.grid,),
         dy, dy.stride(0), x, x.stride(0), weight, rstd, dx, dx.stride(0), dw_partial, n_rows, n_cols, offset,
         ROWS=launch.rows, BLOCK_N=launch.block_n, NUM_STAGES=launch.num_stages,
         ds_ptr=ds, ds_row_stride=0 if ds is None else ds.stride(0), HAS_DS=ds is not None,

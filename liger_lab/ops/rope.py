@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from liger_lab import reference, runtime
-from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape
+from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape, same_shape
 
 # Half-row elements (rows x head_dim / 2) per program on the GPU, and a warp per _GPU_WARP_ELEMENTS of them:
 # 16 rows of head_dim 128 under 2 warps measured fastest on an H200, at the speed of torch's copy of the same
@@ -172,7 +172,7 @@ def rope_rotate(
     # One row order for both tensors, q's memory order (any order is correct; memory order streams).
     heads_inner = q.stride(1) < q.stride(2)
     grid = triton.cdiv(batch * q_heads * seq_len, tile.block_r) + triton.cdiv(batch * k_heads * seq_len, tile.block_r)
-    _rope_kernel[(grid,)](
+    runtime.launch_kernel(_rope_kernel, (grid,),
         q, *_strides4(q), k, *_strides4(k), q_out, *_strides4(q_out), k_out, *_strides4(k_out),
         cos, *_angle_strides(cos), sin, *_angle_strides(sin), batch, seq_len, q_heads, k_heads,
         BACKWARD=backward, HEADS_INNER=heads_inner, HALF=head_dim // 2, BLOCK_R=tile.block_r, BLOCK_D=tile.block_d,
@@ -257,7 +257,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
             f"q has shape {tuple(q.shape)} and k {tuple(k.shape)}: expected 4-D (batch, heads, seq_len, head_dim)"
         )
     batch, _, seq_len, head_dim = q.shape
-    if k.shape[0] != batch or k.shape[2:] != q.shape[2:]:
+    if k.shape[0] != batch or not same_shape(k.shape[2:], q.shape[2:]):
         raise ValueError(
             f"q has shape {tuple(q.shape)} and k {tuple(k.shape)}: expected the same batch, seq_len and head_dim "
             "(only the number of heads may differ)"
@@ -269,7 +269,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     check_same_dtype(q=q, k=k)
     check_same_dtype(cos=cos, sin=sin)
     check_same_shape(cos=cos, sin=sin)
-    if cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1:] != (seq_len, head_dim):
+    # Sizes compared with ==, no membership test (see common.same_shape): under torch.compile they are symbolic.
+    angle_batch_ok = cos.dim() == 3 and (cos.shape[0] == 1 or cos.shape[0] == batch)
+    if not angle_batch_ok or not same_shape(cos.shape[1:], (seq_len, head_dim)):
         raise ValueError(
             f"cos and sin have shape {tuple(cos.shape)}: expected ({batch} or 1, {seq_len}, {head_dim}) = "
             "(batch or 1, seq_len, head_dim) to match q"

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
-from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape, in_place_requested
+from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape, in_place_requested, may_overwrite
 
 # Globals a kernel reads must be constexpr.
 _K = tl.constexpr(math.sqrt(2.0 / math.pi))
@@ -96,7 +96,9 @@ def glu_forward(
     if n == 0:
         return out
     block, num_warps, grid = launch or runtime.elementwise_launch(n)
-    _glu_forward_kernel[(grid,)](gate, up, out, n, ACTIVATION=activation, BLOCK=block, num_warps=num_warps)
+    runtime.launch_kernel(
+        _glu_forward_kernel, (grid,), gate, up, out, n, ACTIVATION=activation, BLOCK=block, num_warps=num_warps
+    )
     return out
 
 
@@ -116,7 +118,7 @@ def glu_backward(
     if n == 0:
         return dgate, dup
     block, num_warps, grid = launch or runtime.elementwise_launch(n)
-    _glu_backward_kernel[(grid,)](
+    runtime.launch_kernel(_glu_backward_kernel, (grid,),
         dout, gate, up, dgate, dup, n, ACTIVATION=activation, BLOCK=block, num_warps=num_warps
     )  # fmt: skip
     return dgate, dup
@@ -176,8 +178,11 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout):
     gate, up = ctx.saved_tensors
     # Write over gate and up only when both get a gradient (a tensor that needs none is someone else's
-    # constant) and both are dense buffers of their own (the public function rules out gate is up).
-    if ctx.in_place and all(ctx.needs_input_grad[:2]) and gate.is_contiguous() and up.is_contiguous():
+    # constant) and both are dense buffers of their own (the public function rules out gate is up). Not under
+    # create_graph=True: gradients written over detached buffers have no graph, so a second derivative would be
+    # a silent zero; the out-of-place operator's output raises when differentiated instead.
+    in_place = ctx.in_place and not torch.is_grad_enabled()
+    if in_place and all(ctx.needs_input_grad[:2]) and gate.is_contiguous() and up.is_contiguous():
         # gate and up now hold gradients; the op bumps their versions, so a later reader that saved them
         # (a second backward with retain_graph, a producer that saved its output) gets autograd's
         # "modified by an inplace operation" error instead of computing with gradients as activations.
@@ -196,8 +201,11 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, in_place_backwar
     check_float("up", up)
     check_same_shape(gate=gate, up=up)
     check_same_dtype(gate=gate, up=up)
-    # gate and up as one tensor: the in-place backward's two stores would race over the same memory.
-    in_place = in_place_requested(in_place_backward, gate, up) and gate is not up
+    # gate and up as one tensor: the in-place backward's two stores would race over the same memory. A parameter
+    # or another leaf that requires grad is the caller's: its values must survive the backward.
+    in_place = (
+        in_place_requested(in_place_backward, gate, up) and gate is not up and may_overwrite(gate) and may_overwrite(up)
+    )
     return torch.ops.liger_lab.glu(gate, up, activation, in_place)
 
 
@@ -211,7 +219,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = Fa
     After the backward those buffers hold the gradients; an autograd node that saved them (a second
     backward of a retained graph, a producer that saved its own output) then fails with autograd's
     "modified by an inplace operation" error rather than using them. A strided (non-contiguous) input,
-    gate and up being one tensor, or either of them needing no gradient fall back to fresh gradients.
+    gate and up being one tensor, either of them needing no gradient, or either of them being the caller's
+    state (an ``nn.Parameter`` or another leaf that requires grad, or a view of one, whose values the caller
+    keeps) fall back to fresh gradients. Whether anything else saw gate and up (a forward hook that kept a
+    projection's output) the op cannot tell: :class:`liger_lab.nn.SwiGLUMLP` and the patched MLPs check that.
     Under ``torch.compile`` the compiler plans the buffers itself: the option then changes nothing.
     """
     return _glu(gate, up, "silu", in_place_backward)

@@ -58,8 +58,8 @@ class OpSpec:
     liger: tuple[str, dict[str, object]] | None = None
     """Liger-Kernel's functional op and the keywords that match our defaults."""
     liger_modules: dict[str, Callable[[], Callable[..., object]]] = field(default_factory=dict)
-    """Liger-Kernel peers that are modules with their own argument order: row label -> a builder of a function
-    taking this op's inputs (imported only when the row runs)."""
+    """Peers that are modules with their own argument order (Liger-Kernel's chunked losses, TRL's fused head): row
+    label -> a builder of a function taking this op's inputs (imported only when the row runs)."""
     graph_timing: bool = True
     """Whether a CUDA graph can capture the op (not when it reads a value back to the host)."""
     check_tolerances: dict[torch.dtype, float] = field(default_factory=dict)
@@ -147,17 +147,52 @@ def _fljsd_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
     return [*student, *(t.detach() for t in teacher), _targets(n_tokens, vocab)]
 
 
-def _preference_inputs(shape: Shape, dtype: torch.dtype, *, with_reference: bool = False) -> list[object]:
+def _preference_inputs(
+    shape: Shape, dtype: torch.dtype, *, with_reference: bool = False, paired: bool = True
+) -> list[object]:
     """B pairs of T positions: hidden (2B, T, H) (chosen rows, then rejected), the policy head, targets with the
-    first quarter of each sequence (the prompt) ignored, and for DPO a frozen reference model (constants)."""
-    pairs, seq_len, hidden, vocab = shape
-    target = _targets(2 * pairs * seq_len, vocab).view(2 * pairs, seq_len)
+    first quarter of each sequence (the prompt) ignored, and for DPO a frozen reference model (constants).
+    Unpaired (KTO): B completions, (B, T, H), with desirable and undesirable labels in turn after the targets."""
+    units, seq_len, hidden, vocab = shape
+    n_sequences = 2 * units if paired else units
+    target = _targets(n_sequences * seq_len, vocab).view(n_sequences, seq_len)
     target[:, : seq_len // 4] = -100
-    inputs = [_randn((2 * pairs, seq_len, hidden), dtype), _randn((vocab, hidden), dtype, hidden**-0.5), target]
+    inputs = [_randn((n_sequences, seq_len, hidden), dtype), _randn((vocab, hidden), dtype, hidden**-0.5), target]
+    if not paired:
+        inputs.append(torch.arange(n_sequences, device=runtime.DEVICE) % 2 == 0)
     if with_reference:
-        reference_head = [_randn((2 * pairs, seq_len, hidden), dtype), _randn((vocab, hidden), dtype, hidden**-0.5)]
+        reference_head = [_randn((n_sequences, seq_len, hidden), dtype), _randn((vocab, hidden), dtype, hidden**-0.5)]
         inputs += [t.detach() for t in reference_head]
     return inputs
+
+
+def _grpo_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
+    """B completions of T positions: hidden (B, T, H), the policy head, targets with the last quarter of every
+    other completion padded, and one advantage per completion (float32 constants, as TRL's are)."""
+    completions, seq_len, hidden, vocab = shape
+    target = _targets(completions * seq_len, vocab).view(completions, seq_len)
+    target[::2, seq_len - seq_len // 4 :] = -100
+    advantages = torch.randn(completions, device=runtime.DEVICE)
+    return [_randn((completions, seq_len, hidden), dtype), _randn((vocab, hidden), dtype, hidden**-0.5), target,
+            advantages]  # fmt: skip
+
+
+def _trl_head(*, entropy: bool) -> Callable[[], Callable[..., object]]:
+    """A builder of TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``) called with this op's inputs: the
+    log-probs, and the entropy too when asked (at TRL's own chunk of the vocabulary)."""
+
+    def build() -> Callable[..., object]:
+        from trl.kernels import ChunkedLogProbFunction
+
+        outputs = ("entropy",) if entropy else ()
+
+        def head(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> object:
+            logp, ent, *_ = ChunkedLogProbFunction.apply(hidden, weight, None, target, 1.0, 32768, None, 1.0, outputs)
+            return (logp, ent) if entropy else logp
+
+        return head
+
+    return build
 
 
 def _liger_module(class_name: str, adapt: Callable[..., Callable[..., object]], **options: object):
@@ -304,6 +339,63 @@ OPS: dict[str, OpSpec] = {
                 ("orpo", "LigerFusedLinearORPOLoss", {"beta": 0.1}),
                 ("simpo", "LigerFusedLinearSimPOLoss", {"beta": 2.0, "gamma": 0.5, "compute_nll_loss": False}),
             )
+        ),
+        OpSpec(
+            "fused_linear_kto", functools.partial(_preference_inputs, with_reference=True, paired=False),
+            ("hidden", "weight", "target", "label", "ref_hidden", "ref_weight"),
+            ("hidden", "weight"),
+            # (completions B, positions T, hidden H, vocabulary V): B unpaired sequences of T positions.
+            bench_shape=(8, 1024, 4096, 128256), quick_shape=(2, 1024, 4096, 128256),
+            check_shapes=((3, 9, 16, 130), (4, 512, 4096, 128256)),
+            operators=("fused_linear_preference", "scale_rows", "scale_rows_"),
+            elements=lambda s: s[0] * s[1] * s[3],
+            # 6 N H V for the trained head, plus 2 N H V for the reference head.
+            flops=lambda s: 8.0 * s[0] * s[1] * s[2] * s[3],
+            graph_timing=False, registered_autograd=False,
+            # Like DPO's margin, the log-ratio logp - ref is a difference of two sums of hundreds of token
+            # log-probabilities: fp32's rounding of the sums exceeds 1e-5 of it at the GPU check shape.
+            check_tolerances={torch.float32: 1e-4},
+        ),
+        OpSpec(
+            "fused_linear_cpo", _preference_inputs, ("hidden", "weight", "target"), ("hidden", "weight"),
+            # (pairs B, positions T, hidden H, vocabulary V), as the other preference losses.
+            bench_shape=(4, 1024, 4096, 128256), quick_shape=(1, 1024, 4096, 128256),
+            check_shapes=((2, 9, 16, 130), (2, 512, 4096, 128256)),
+            operators=("fused_linear_preference", "scale_rows", "scale_rows_"),
+            elements=lambda s: 2 * s[0] * s[1] * s[3], flops=lambda s: 6.0 * 2 * s[0] * s[1] * s[2] * s[3],
+            graph_timing=False, registered_autograd=False,
+            # The sigmoid loss scores summed log-probabilities, as DPO does (see its tolerance).
+            check_tolerances={torch.float32: 1e-4},
+        ),
+        OpSpec(
+            "fused_linear_logprobs", _flce_inputs, ("hidden", "weight", "target"), ("hidden", "weight"),
+            bench_shape=(8192, 4096, 128256), quick_shape=(2048, 4096, 128256),
+            check_shapes=((67, 64, 1000), (2048, 4096, 128256)),
+            operators=("fused_linear_logprobs", "fused_linear_logprobs_backward"),
+            # The upstream gradients are known only in the backward, which recomputes the logits: 8 N H V FLOPs.
+            elements=lambda s: s[0] * s[2], flops=lambda s: 8.0 * s[0] * s[1] * s[2],
+            # The entropy as well (what TRL's fused head computes for GRPO): a labelled row of its own.
+            variants={"entropy": {"entropy": True}}, graph_timing=False,
+            # TRL 1.16's fused LM head, the head its trainers run, for the same outputs.
+            liger_modules={"trl": _trl_head(entropy=False), "trl:entropy": _trl_head(entropy=True)},
+        ),
+        OpSpec(
+            "fused_linear_grpo", _grpo_inputs, ("hidden", "weight", "target", "advantages"), ("hidden", "weight"),
+            # (completions B, positions T, hidden H, vocabulary V): N = B T tokens, as the fused cross-entropy's.
+            bench_shape=(8, 1024, 4096, 128256), quick_shape=(2, 1024, 4096, 128256),
+            check_shapes=((3, 9, 16, 130), (4, 512, 4096, 128256)),
+            operators=("fused_linear_grpo", "scale_rows", "scale_rows_"),
+            elements=lambda s: s[0] * s[1] * s[3],
+            # The default (token-level weights) makes its gradient in the forward: 6 N H V FLOPs.
+            flops=lambda s: 6.0 * s[0] * s[1] * s[2] * s[3],
+            graph_timing=False, registered_autograd=False,
+            # Liger-Kernel's chunked GRPO at our defaults (dapo, token level, no KL term, no old log-probabilities);
+            # it takes the completion mask and in-range token ids, and returns (loss, metrics).
+            liger_modules={"liger": _liger_module(
+                "LigerFusedLinearGRPOLoss",
+                lambda module: lambda h, w, t, a: module(h, w, t.clamp(min=0), (t != -100).long(), a)[0],
+                beta=0.0, use_ref_model=False, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
+            )},
         ),
     )
 }  # fmt: skip

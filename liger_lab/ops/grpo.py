@@ -1,0 +1,394 @@
+r"""The GRPO family (grpo, bnpo, dr_grpo, dapo, cispo) on ``hidden @ weight.T``, without the logits.
+
+**The loss**, exactly TRL 1.16's ``GRPOTrainer._compute_loss`` on one micro-batch (gradient accumulation and the
+process count are the caller's). B completions of T positions: hidden (B, T, H), target (B, T) the completion
+tokens with ignore_index at padding, m = target != ignore_index, advantages A (B,) or (B, T), old and ref (B, T)
+constants or None. Per token, logp from the RL head (:mod:`liger_lab.ops.logprobs`, at the temperature), then::
+
+    old   = logp.detach() if old is None                  w = logp - old                 ("token")
+                                                          w_b = sum_t m (logp - old) / max(n_b, 1)   ("sequence")
+    r     = exp(w)                                        n_b = kept tokens of sequence b
+    clipped (grpo, bnpo, dr_grpo, dapo):  c2 = clamp(r, 1 - eps_low, 1 + eps_high);  c1 = min(r, delta) if delta
+                                          l = -min(c1 A, c2 A)
+    cispo:                                l = -min(r, eps_high).detach() A logp
+    beta != 0:                            l += beta (exp(ref - logp) - (ref - logp) - 1)
+    loss  = sum_{b,t} c_bt l_bt,  c = m / (B max(n_b, 1)) (grpo), m / max(sum m, 1) (bnpo),
+            m / (B max_completion_length) (dr_grpo), m / max(num_items_in_batch, 1) (dapo, cispo; default sum m)
+
+So the loss is a weighted sum over tokens, with weights c that the targets alone fix (counts stay on the device).
+
+**The gradient.** The logits enter only through logp, and d logp / dz = (onehot - softmax(z)) / T, so each row's
+gradient is the RL head's with one upstream number per token, g = dloss/dlogp (:func:`liger_lab.ops.logprobs
+.logprob_grad_rows`). Per token, with x = ref - logp::
+
+    clipped   dl/dr = -A * (dc1 if c1 A < c2 A, dc2 if c2 A < c1 A, (dc1 + dc2) / 2 on a tie)
+              dc1 = [r <= delta] (1 without delta),  dc2 = [1 - eps_low <= r <= 1 + eps_high]
+    cispo     dl/dlogp = -min(r, eps_high) A          (the ratio is detached)
+    KL        dl/dlogp += beta (1 - exp(x)) = -beta expm1(x)
+
+(the tie rule and the closed bounds are PyTorch's ``torch.minimum`` and ``torch.clamp`` backward: a token inside
+the clip range is a tie, and gets the full gradient). With token-level weights dr/dlogp = r, so
+``g = c (dl/dlogp + r dl/dr)`` is known from the token's own logp, old, ref and A. At sequence level
+dr_b/dlogp_t = r_b m_t / max(n_b, 1), so a sequence's tokens share ``r_b S_b / max(n_b, 1)`` with
+``S_b = sum_t c_bt dl/dr_bt``, which needs r_b, i.e. every logp of the sequence.
+
+**Chunking and matmul count.** Where g is known from the chunk's own rows, the chunk loop of :mod:`liger_lab.ops
+.chunked` makes the gradient in the forward, as the fused cross-entropy does: per chunk the logits (1 matmul), the
+RL head's forward kernel (logp), g in a few elementwise torch ops on the chunk's tokens, the head's gradient kernel
+over the same logits (dz), then dW += dz^T h and dh = dz W: **3 matmuls** (6 N H V FLOPs), for token-level
+weights, and for sequence-level weights without old_logps (then r_b = exp(0) = 1 whatever logp is, and S_b
+depends on A and c alone). Sequence-level weights *with* old_logps need every sequence's mean log-ratio first:
+a first pass of the loop without gradients computes logp for every token (the forward kernel only), then the
+second pass is the one above: **4 matmuls** (8 N H V FLOPs). Chunks of whole sequences would avoid that pass,
+but a single long completion's logits can exceed any budget (T = 16384, V = 151936 in bf16: 4.6 GiB), so the
+loop keeps chunks of any size. The backward only multiplies the gradients by the incoming scalar.
+
+**Precision.** dz is written in the logits' dtype; its global factor 1 / (B T) (a bound on the token count,
+known on the host) rides on the matmuls' alpha, and the per-token scale is g B T, of order |A| r, so an fp16 dz
+does not underflow where a 1 / tokens factor inside it would. The KL term is computed as expm1(x) - x (TRL's
+exp(x) - x - 1 loses its digits as ref approaches logp: about x**2 / 2 left of an O(1) sum). The loss is summed
+in float64.
+
+**Nothing is read back.** No ``.item()`` / ``.tolist()`` of a device tensor on the GPU path: token counts, n_b and
+the normalizers stay device tensors (a Python-number ``num_items_in_batch`` and dr_grpo's B max_completion_length
+are host numbers already), so the host never waits for the GPU. A target out of range is a ValueError in the
+interpreter; on the GPU the RL head's kernel makes every logp NaN, and so the loss and the gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from liger_lab import runtime
+from liger_lab.ops.chunked import ChunkGrads, check_head, chunked_linear_loss
+from liger_lab.ops.common import same_shape
+from liger_lab.ops.cross_entropy import (  # (also registers liger_lab::scale_rows_, which the backward calls)
+    LossOptions,
+    check_loss_options,
+    check_target,
+    check_target_tensor,
+    refuse_second_derivative,
+)
+from liger_lab.ops.fused_linear_cross_entropy import accumulation_dtype, check_chunk_options, finish_grads
+from liger_lab.ops.logprobs import (
+    check_number,
+    chunk_rows,
+    empty_grads_like,
+    logprob_grad_rows,
+    logprob_rows,
+    token_rows,
+)
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    """The scalars of one call, validated by :func:`fused_linear_grpo`."""
+
+    loss_type: str
+    level: str
+    beta: float
+    epsilon_low: float
+    epsilon_high: float
+    delta: float | None
+
+
+def policy_terms(ratio, adv, logp, o: GRPOOptions):
+    """Per token: (the policy term l, dl/dlogp through logp itself or None, dl/dratio or None), all fp32."""
+    if o.loss_type == "cispo":
+        clipped = ratio.clamp(max=o.epsilon_high)
+        return -clipped * adv * logp, -clipped * adv, None
+    c2 = ratio.clamp(1 - o.epsilon_low, 1 + o.epsilon_high)
+    c1 = ratio if o.delta is None else ratio.clamp(max=o.delta)
+    a1, a2 = c1 * adv, c2 * adv
+    dc1 = 1.0 if o.delta is None else (ratio <= o.delta).float()
+    dc2 = ((ratio >= 1 - o.epsilon_low) & (ratio <= 1 + o.epsilon_high)).float()
+    picked = torch.where(a1 < a2, dc1, torch.where(a2 < a1, dc2, (dc1 + dc2) / 2))
+    return -torch.minimum(a1, a2), None, -adv * picked
+
+
+@dataclass
+class _Tokens:
+    """Per-token constants of one call, flat (B T,) fp32 (``mask`` bool)."""
+
+    mask: torch.Tensor
+    weight: torch.Tensor
+    advantages: torch.Tensor
+    old: torch.Tensor | None
+    ref: torch.Tensor | None
+    ratio: torch.Tensor | None = None
+    """Sequence level: each token's sequence ratio r_b (None at token level)."""
+    ratio_grad: torch.Tensor | None = None
+    """Sequence level, clipped losses: each kept token's share r_b S_b / max(n_b, 1) of dloss/dlogp."""
+
+
+def token_terms(logp: torch.Tensor, t: _Tokens, rows: slice, o: GRPOOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c l, dloss/dlogp) of the tokens ``rows``, zero where masked (whatever old and ref hold there)."""
+    mask = t.mask[rows]
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    ratio = t.ratio[rows] if t.ratio is not None else None
+    if ratio is None:  # token level; without old_logps, old = logp.detach(): w = 0, r = 1
+        ratio = torch.ones_like(logp) if t.old is None else torch.where(mask, logp - t.old[rows], zero).exp()
+    value, grad, d_ratio = policy_terms(ratio, t.advantages[rows], logp, o)
+    if t.ratio is None and d_ratio is not None:
+        grad = d_ratio * ratio
+    if o.beta != 0:
+        x = torch.where(mask, t.ref[rows] - logp, zero)
+        expm1 = torch.expm1(x)
+        value = value + o.beta * (expm1 - x)
+        grad = grad - o.beta * expm1 if grad is not None else -o.beta * expm1
+    weight = t.weight[rows]
+    value = torch.where(mask, value * weight, zero)
+    grad = torch.zeros_like(logp) if grad is None else torch.where(mask, grad * weight, zero)
+    if t.ratio_grad is not None:
+        grad = grad + t.ratio_grad[rows]
+    return value, grad
+
+
+def _token_weights(mask, n_seq, loss_type, max_completion_length, num_items, num_items_value):
+    """c (B T,): the mask over the loss type's normalizer (a device tensor, or a host number where it is one)."""
+    n_sequences, seq_len = mask.shape
+    kept = mask.float()
+    if loss_type == "grpo":
+        return (kept / (n_seq.clamp(min=1)[:, None] * max(n_sequences, 1))).reshape(-1)
+    if loss_type == "dr_grpo":  # B * max_completion_length; 1 rather than 0 / 0 for an empty batch
+        return kept.reshape(-1) / max(n_sequences * (max_completion_length or seq_len), 1)
+    if loss_type != "bnpo" and num_items_value is not None:
+        return kept.reshape(-1) / max(num_items_value, 1.0)
+    total = num_items.float() if loss_type != "bnpo" and num_items is not None else kept.sum()
+    return kept.reshape(-1) / total.reshape(()).clamp(min=1)
+
+
+def _forward(hidden, weight, target, advantages, old_logps, ref_logps, num_items, o, temperature, ignore_index,
+             max_completion_length, num_items_value, chunk_tokens, accumulation, needs):  # fmt: skip
+    """(fp32 loss, dh (B T, H) or None, dW accumulator or None), gradients still owing the upstream gradient."""
+    n_sequences, seq_len, _ = hidden.shape
+    counts = check_target(target, hidden.shape[:-1], weight.shape[0], ignore_index)  # before any work
+    rows, flat_target = token_rows(hidden, target)
+    n_tokens, device = rows.shape[0], rows.device
+    mask = (target != ignore_index).reshape(n_sequences, seq_len)
+    n_seq = mask.sum(-1)
+    flat = lambda x: None if x is None else x.float().expand(n_sequences, seq_len).reshape(-1)  # noqa: E731
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    weights = _token_weights(mask, n_seq, o.loss_type, max_completion_length, num_items, num_items_value)
+    ref = flat(ref_logps) if o.beta != 0 else None
+    tokens = _Tokens(mask.reshape(-1), weights, flat(adv), flat(old_logps), ref)
+    chunk = chunk_rows(rows, weight, chunk_tokens, needs[0])
+    logp = torch.empty(n_tokens, dtype=torch.float32, device=device)
+    stats = torch.empty(min(chunk, n_tokens), 2, dtype=torch.float32, device=device)
+
+    def logp_step(z: torch.Tensor, chunk_: slice, write_grad: bool) -> None:
+        logprob_rows(z, flat_target[chunk_], logp[chunk_], stats[: z.shape[0]], counts, temperature, ignore_index)
+
+    if o.level == "sequence":
+        seq_log_ratio = torch.zeros(n_sequences, dtype=torch.float32, device=device)
+        if old_logps is not None:  # the first pass: every logp, for each sequence's mean log-ratio
+            chunked_linear_loss(rows, weight, logp_step, chunk=chunk)
+            log_ratio = torch.where(tokens.mask, logp - tokens.old, 0.0).view(n_sequences, seq_len)
+            seq_log_ratio = log_ratio.sum(-1) / n_seq.clamp(min=1)
+        tokens.ratio = flat(seq_log_ratio.exp()[:, None])
+        if o.loss_type != "cispo":  # cispo's ratio is detached: no share of the sequence's gradient
+            _, _, d_ratio = policy_terms(tokens.ratio, tokens.advantages, None, o)
+            s = torch.where(tokens.mask, d_ratio * tokens.weight, 0.0).view(n_sequences, seq_len).sum(-1)
+            share = flat((seq_log_ratio.exp() * s / n_seq.clamp(min=1))[:, None])
+            tokens.ratio_grad = torch.where(tokens.mask, share, 0.0)
+
+    values = torch.empty(n_tokens, dtype=torch.float32, device=device)
+    scale = float(max(n_tokens, 1))  # the row scale g B T; its 1 / (B T) goes on the matmuls' alpha
+
+    def step(z: torch.Tensor, chunk_: slice, write_grad: bool) -> None:
+        logp_step(z, chunk_, write_grad)
+        values[chunk_], grad = token_terms(logp[chunk_], tokens, chunk_, o)
+        if write_grad:
+            stats_ = stats[: z.shape[0]]
+            logprob_grad_rows(z, flat_target[chunk_], stats_, grad * scale, temperature, ignore_index)
+
+    grads = ChunkGrads(needs[0], needs[1], weight_grad_dtype=accumulation_dtype(weight, accumulation))
+    grad_h, grad_w, _ = chunked_linear_loss(
+        rows, weight, step, chunk=chunk, grads=grads if any(needs) else None, grad_scale=1.0 / scale
+    )
+    return values.sum(dtype=torch.float64).float(), grad_h, grad_w
+
+
+# --------------------------------------------------------------------------------------------------
+# The PyTorch operator and its autograd (an autograd.Function, as for the fused linear cross-entropy: the gradients
+# are made in the forward and the backward scales them in place by the upstream gradient).
+
+
+@torch.library.custom_op("liger_lab::fused_linear_grpo", mutates_args=())
+def fused_linear_grpo_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    num_items: torch.Tensor | None,
+    loss_type: str,
+    importance_sampling_level: str,
+    beta: float,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None,
+    temperature: float,
+    ignore_index: int,
+    max_completion_length: int | None,
+    num_items_value: float | None,
+    chunk_tokens: int | None,
+    accumulation: str,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 loss, dh (B T, H), dW accumulator); a gradient not in ``needs`` (hidden, weight) is empty. dapo's and
+    cispo's num_items_in_batch is ``num_items`` (a device tensor) or ``num_items_value`` (a host number)."""
+    o = GRPOOptions(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
+    loss, grad_h, grad_w = _forward(
+        hidden, weight, target, advantages, old_logps, ref_logps, num_items, o, temperature, ignore_index,
+        max_completion_length, num_items_value, chunk_tokens, accumulation, needs,
+    )  # fmt: skip
+    grad_h = hidden.new_empty(0) if grad_h is None else grad_h
+    return loss, grad_h, weight.new_empty(0) if grad_w is None else grad_w
+
+
+@fused_linear_grpo_op.register_fake
+def _(hidden, weight, target, advantages, old_logps, ref_logps, num_items, loss_type, importance_sampling_level, beta,
+      epsilon_low, epsilon_high, delta, temperature, ignore_index, max_completion_length, num_items_value, chunk_tokens,
+      accumulation, needs):  # fmt: skip
+    grad_h, grad_w, _ = empty_grads_like(hidden, weight, needs, accumulation)
+    return hidden.new_empty((), dtype=torch.float32), grad_h, grad_w
+
+
+class FusedLinearGRPOFunction(torch.autograd.Function):
+    """Gradients made in the forward; the backward scales them by the upstream gradient. Only hidden and weight get
+    gradients: advantages, old_logps and ref_logps are constants of the call."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, advantages, old_logps, ref_logps, num_items, arguments):
+        needs = arguments[-1]
+        ctx.needs, ctx.hidden_shape, ctx.weight_dtype = (needs[0], needs[1], False), hidden.shape, weight.dtype
+        loss, grad_h, grad_w = torch.ops.liger_lab.fused_linear_grpo(
+            hidden, weight, target, advantages, old_logps, ref_logps, num_items, *arguments
+        )
+        # Scaling in place bumps the gradients' versions: a second backward through the same graph fails with
+        # "modified by an inplace operation" instead of scaling them twice.
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        refuse_second_derivative("fused_linear_grpo")
+        grad_h, grad_w, _ = finish_grads(*ctx.saved_tensors, None, grad_loss, ctx)
+        # detach(): a fresh tensor object, so a leaf's .grad is never the buffer the backward scaled
+        return None if grad_h is None else grad_h.detach(), grad_w, *(None,) * 6
+
+
+# --------------------------------------------------------------------------------------------------
+# The public function.
+
+
+def _check_per_token(name: str, tensor: torch.Tensor | None, shape: torch.Size, allow_per_sequence: bool = False):
+    """A floating (B, T) tensor where the kernels run, or (B,) with ``allow_per_sequence``; None passes."""
+    if tensor is None:
+        return
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {getattr(tensor, 'dtype', type(tensor))}")
+    runtime.check_device(**{name: tensor})
+    shapes = [shape[:1], shape] if allow_per_sequence else [shape]
+    # same_shape, not `in`: under torch.compile with dynamic shapes, membership pins the sizes (see same_shape).
+    if not any(same_shape(tensor.shape, expected) for expected in shapes):
+        expected = " or ".join(str(tuple(s)) for s in shapes)
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}: expected {expected} (B completions of T tokens)")
+
+
+def _check_num_items(num_items_in_batch) -> tuple[float | None, torch.Tensor | None]:
+    """(a host number, a device tensor): TRL's num_items_in_batch either way, or (None, None)."""
+    if num_items_in_batch is None:
+        return None, None
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1 or num_items_in_batch.dtype.is_complex:
+            raise ValueError(
+                f"num_items_in_batch has shape {tuple(num_items_in_batch.shape)} and dtype {num_items_in_batch.dtype}: "
+                f"expected one real number (the tokens of the whole batch)"
+            )
+        runtime.check_device(num_items_in_batch=num_items_in_batch)
+        return None, num_items_in_batch.detach()
+    return check_number("num_items_in_batch", num_items_in_batch, low=0), None
+
+
+def fused_linear_grpo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    max_completion_length: int | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+    chunk_tokens: int | None = None,
+    accumulation: str | None = None,
+) -> torch.Tensor:
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` for one micro-batch, fused with the LM head (no N x V logits).
+
+    hidden (B, T, H) at the completion positions and weight (V, H) of one dtype; target (B, T) the completion tokens,
+    ``ignore_index`` at padding; advantages (B,) or (B, T); old_logps and ref_logps (B, T) or None (floating,
+    used in fp32). These and the keywords are TRL's (``GRPOConfig``): ``loss_type`` one of grpo, bnpo, dr_grpo,
+    dapo, cispo; ``importance_sampling_level`` "token" or "sequence"; ``epsilon_high`` defaults to
+    ``epsilon_low``; ``delta`` the upper clamp of the ratio in the clipped losses; ``beta`` the weight of the k3 KL
+    term against ``ref_logps``; ``max_completion_length`` dr_grpo's length (default T); ``num_items_in_batch``
+    dapo's and cispo's normalizer (a number or a one-element tensor; default the kept tokens), clamped at 1.
+    The formulas are in the module docstring; padding positions contribute nothing whatever old_logps and
+    ref_logps hold there, and a batch without sequences gives 0.
+
+    Returns a float32 scalar. Gradients reach hidden and weight only (the rest are constants, as in TRL); they are
+    made in the forward, so the graph can be backpropagated once. ``chunk_tokens`` and ``accumulation`` as in
+    :func:`liger_lab.fused_linear_cross_entropy`. Bad input (shapes, dtypes, an unknown loss_type or level,
+    beta != 0 without ref_logps, options out of their range) raises ValueError; so does a target out of range in the
+    interpreter, while on the GPU, which checks it without making the host wait, it makes the loss and the gradients
+    NaN. The caller's tensors are never modified.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type is {loss_type!r}: expected one of {LOSS_TYPES}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level is {importance_sampling_level!r}: expected one of {IMPORTANCE_SAMPLING_LEVELS}"
+        )
+    check_loss_options(LossOptions(ignore_index=ignore_index))
+    beta = check_number("beta", beta, low=0.0)
+    epsilon_low = check_number("epsilon_low", epsilon_low, low=0.0)
+    epsilon_high = epsilon_low if epsilon_high is None else check_number("epsilon_high", epsilon_high, low=0.0)
+    delta = None if delta is None else check_number("delta", delta, positive=True)
+    temperature = check_number("temperature", temperature, positive=True)
+    check_head(hidden, weight)
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden has shape {tuple(hidden.shape)}: expected (B, T, H), B completions of T tokens")
+    check_target_tensor(target, hidden.shape[:-1])
+    _check_per_token("advantages", advantages, target.shape, allow_per_sequence=True)
+    _check_per_token("old_logps", old_logps, target.shape)
+    _check_per_token("ref_logps", ref_logps, target.shape)
+    if beta != 0 and ref_logps is None:
+        raise ValueError(f"beta is {beta}: the KL term needs ref_logps, the reference model's (B, T) log-probabilities")
+    length = max_completion_length
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+        raise ValueError(f"max_completion_length is {max_completion_length!r}: expected None or a positive int")
+    num_items_value, num_items = _check_num_items(num_items_in_batch)
+    accumulation = check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
+    grad_on = torch.is_grad_enabled()
+    needs = [grad_on and hidden.requires_grad, grad_on and weight.requires_grad]
+    constants = [None if t is None else t.detach() for t in (advantages, old_logps, ref_logps if beta else None)]
+    arguments = (loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta, temperature,
+                 ignore_index, max_completion_length, num_items_value, chunk_tokens, accumulation, needs)  # fmt: skip
+    if any(needs):
+        return FusedLinearGRPOFunction.apply(hidden, weight, target, *constants, num_items, arguments)
+    return torch.ops.liger_lab.fused_linear_grpo(hidden, weight, target, *constants, num_items, *arguments)[0]

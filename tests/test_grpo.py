@@ -1,0 +1,317 @@
+"""The GRPO family on the fused linear head, against the float64 reference (itself checked against TRL's own
+GRPOTrainer._compute_loss)."""
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import LargestNewTensor, OpCalls, randn
+
+import liger_lab
+from liger_lab import reference, runtime
+from liger_lab.checks import check_against_reference
+from liger_lab.ops import grpo
+
+B, T, H, V = 3, 7, 16, 40
+LOSS_TYPES = grpo.LOSS_TYPES
+LEVELS = grpo.IMPORTANCE_SAMPLING_LEVELS
+
+
+def targets(vocab=V, ignore_index=-100):
+    """(B, T) completions: ragged padding on sequence 0, a masked first token on sequence 1, sequence 2 all padding."""
+    t = torch.randint(0, vocab, (B, T), device=runtime.DEVICE)
+    t[0, 5:] = ignore_index
+    t[1, 0] = ignore_index
+    t[2] = ignore_index
+    return t
+
+
+def inputs(dtype=torch.float32, per_token_advantages=False, scale=1.0, ignore_index=-100):
+    """hidden, weight, target, advantages, and old / ref log-probabilities near the policy's: old with a bias per
+    sequence (0.4, -0.4, 0.1) so that token and sequence ratios both leave the clip range. Padding positions of
+    old and ref hold 50, which must not matter."""
+    hidden, weight = randn(B, T, H, dtype=dtype, scale=scale), randn(V, H, dtype=dtype, scale=2 * H**-0.5)
+    target = targets(ignore_index=ignore_index)
+    advantages = randn(B, T) if per_token_advantages else randn(B)
+    with torch.no_grad():
+        logp = reference.fused_linear_logprobs(hidden.double(), weight.double(), target, ignore_index=ignore_index)
+    bias = torch.tensor([0.4, -0.4, 0.1], device=runtime.DEVICE)[:, None]
+    padding = target == ignore_index
+    old = (logp.float() + 0.3 * randn(B, T) + bias).masked_fill(padding, 50.0)
+    ref = (logp.float() + 0.5 * randn(B, T)).masked_fill(padding, 50.0)
+    return hidden, weight, target, advantages, old, ref
+
+
+def check(hidden, weight, target, advantages, tol=None, **options):
+    """Loss and the gradients of hidden and weight against the float64 reference."""
+    ref_options = {k: v for k, v in options.items() if k not in ("chunk_tokens", "accumulation")}
+    return check_against_reference(
+        "fused_linear_grpo",
+        lambda h, w: liger_lab.fused_linear_grpo(h, w, target, advantages, **options),
+        lambda h, w: reference.fused_linear_grpo(h, w, target, advantages, **ref_options),
+        [hidden, weight],
+        input_names=["hidden", "weight"],
+        tol=tol,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Against float64
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("with_old", [False, True], ids=["old=None", "old"])
+def test_matches_float64(loss_type, level, with_old):
+    hidden, weight, target, advantages, old, ref = inputs()
+    # cispo's epsilon_high is the ratio's upper bound (TRL's docs suggest values such as 5): 1.2 clips some tokens.
+    epsilon_high = 1.2 if loss_type == "cispo" else 0.28
+    # With old_logps, two chunks of 11 rows (sequence 1 split between them); without, one chunk (fewer launches).
+    assert check(hidden, weight, target, advantages, old_logps=old if with_old else None, loss_type=loss_type,
+                 importance_sampling_level=level, epsilon_high=epsilon_high,
+                 chunk_tokens=11 if with_old else None)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "loss_type, level, options",
+    [
+        ("dapo", "token", {"beta": 0.04}),  # the KL term
+        ("grpo", "sequence", {"beta": 0.5, "delta": 1.3}),
+        ("bnpo", "token", {"delta": 1.1, "epsilon_low": 0.1}),  # delta inside the clip range's top
+        ("dapo", "sequence", {"delta": 0.9, "old": None}),  # every ratio 1 > delta: the clamp alone decides
+        ("dr_grpo", "token", {"max_completion_length": 16, "temperature": 0.7}),
+        ("dapo", "token", {"num_items_in_batch": 40}),  # a global token count, as a number
+        ("cispo", "sequence", {"num_items_in_batch": "tensor", "beta": 0.1, "temperature": 1.5}),
+        ("grpo", "token", {"per_token_advantages": True}),
+        ("grpo", "sequence", {"per_token_advantages": True, "delta": 1.5}),
+        ("bnpo", "sequence", {"ignore_index": 3, "epsilon_high": 0.0}),
+    ],
+)
+def test_options(loss_type, level, options):
+    options = dict(options)
+    ignore_index = options.get("ignore_index", -100)
+    hidden, weight, target, advantages, old, ref = inputs(
+        per_token_advantages=options.pop("per_token_advantages", False), ignore_index=ignore_index
+    )
+    if options.get("num_items_in_batch") == "tensor":
+        options["num_items_in_batch"] = torch.tensor(25, device=runtime.DEVICE)
+    old = options.pop("old", old)
+    assert check(hidden, weight, target, advantages, old_logps=old, ref_logps=ref, loss_type=loss_type,
+                 importance_sampling_level=level, chunk_tokens=11, **options)  # fmt: skip
+
+
+def test_fp16_and_large_logits():
+    hidden, weight, target, advantages, old, ref = inputs(dtype=torch.float16)
+    assert check(hidden, weight, target, advantages, old_logps=old, ref_logps=ref, beta=0.1)
+    hidden, weight, target, advantages, old, ref = inputs(scale=30.0)  # logits in the hundreds: saturated softmax
+    assert check(hidden, weight, target, advantages, old_logps=old, loss_type="grpo", tol=1e-4)
+
+
+def test_every_token_ignored():
+    hidden, weight, _, advantages, old, ref = inputs()
+    hidden.requires_grad_()
+    target = torch.full((B, T), -100, device=runtime.DEVICE)
+    for loss_type in LOSS_TYPES:
+        loss = liger_lab.fused_linear_grpo(hidden, weight, target, advantages, old_logps=old, loss_type=loss_type)
+        (grad,) = torch.autograd.grad(loss, hidden)
+        assert loss.item() == 0 and not grad.any()
+
+
+def test_padding_values_of_old_and_ref_do_not_matter():
+    hidden, weight, target, advantages, old, ref = inputs()
+    options = dict(beta=0.1, importance_sampling_level="sequence", loss_type="bnpo")
+    expected = liger_lab.fused_linear_grpo(hidden, weight, target, advantages, old_logps=old, ref_logps=ref, **options)
+    padding = target == -100
+    for value in (float("inf"), float("-inf"), float("nan"), -1e4):
+        old_, ref_ = old.masked_fill(padding, value), ref.masked_fill(padding, value)
+        got = liger_lab.fused_linear_grpo(hidden, weight, target, advantages, old_logps=old_, ref_logps=ref_, **options)
+        assert torch.equal(got, expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# The reference against TRL's own GRPOTrainer._compute_loss (eval mode: no accumulation factors; one process)
+
+
+def _trl_loss(trainer_cls, logits, completion_ids, completion_mask, advantages, old, ref, *, loss_type, level, beta,
+              epsilon_low, epsilon_high, delta, max_completion_length, num_items):  # fmt: skip
+    logps = logits.log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    trainer = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None),
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level=level, beta=beta, loss_type=loss_type, epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high, args=SimpleNamespace(delta=delta, use_bias_correction_kl=False), use_vllm=False,
+        model=SimpleNamespace(training=False), current_gradient_accumulation_steps=1,
+        max_completion_length=max_completion_length, _entropy_bonus_enabled=False,
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x),
+        _metrics=defaultdict(lambda: defaultdict(list)),
+    )  # fmt: skip
+    empty = completion_ids[:, :0]
+    batch = {"prompt_ids": empty, "prompt_mask": empty, "completion_ids": completion_ids,
+             "completion_mask": completion_mask, "advantages": advantages, "ref_per_token_logps": ref,
+             "num_items_in_batch": num_items}  # fmt: skip
+    if old is not None:
+        batch["old_per_token_logps"] = old
+    return trainer_cls._compute_loss(trainer, None, batch)
+
+
+def test_reference_matches_trl():
+    trainer_cls = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(B, T, H, dtype=torch.float64, generator=generator).requires_grad_()
+    weight = torch.randn(V, H, dtype=torch.float64, generator=generator).requires_grad_()
+    ids = torch.randint(0, V, (B, T), generator=generator)
+    completion_mask = torch.ones(B, T, dtype=torch.int64)
+    completion_mask[0, 4:] = 0
+    completion_mask[1, 6:] = 0
+    target = ids.masked_fill(completion_mask == 0, -100)
+    with torch.no_grad():
+        logp = reference.fused_linear_logprobs(hidden, weight, target, temperature=0.8)
+    old = logp + 0.3 * torch.randn(B, T, dtype=torch.float64, generator=generator) + 0.2
+    ref = logp + 0.5 * torch.randn(B, T, dtype=torch.float64, generator=generator)
+    cases = [(loss_type, level, with_old) for loss_type in LOSS_TYPES for level in LEVELS for with_old in (0, 1)]
+    for i, (loss_type, level, with_old) in enumerate(cases):
+        advantages = torch.randn(B, T, dtype=torch.float64) if i % 3 == 0 else torch.randn(B, dtype=torch.float64)
+        options = dict(loss_type=loss_type, beta=0.04 * (i % 2), epsilon_low=0.2,
+                       epsilon_high=3.0 if i % 4 else 0.28, delta=1.4 if i % 5 == 0 else None,
+                       max_completion_length=9, num_items=torch.tensor(11.0))  # fmt: skip
+        old_ = old if with_old else None
+        trl = _trl_loss(trainer_cls, hidden @ weight.T / 0.8, ids, completion_mask, advantages, old_, ref, level=level,
+                        **options)  # fmt: skip
+        ours = reference.fused_linear_grpo(
+            hidden, weight, target, advantages, old_logps=old_, ref_logps=ref, temperature=0.8, beta=options["beta"],
+            epsilon_low=0.2, epsilon_high=options["epsilon_high"], delta=options["delta"], loss_type=loss_type,
+            importance_sampling_level=level, max_completion_length=9, num_items_in_batch=options["num_items"],
+        )  # fmt: skip
+        torch.testing.assert_close(ours, trl, rtol=1e-12, atol=1e-12, msg=lambda m, c=cases[i]: f"{c}: {m}")
+        for a, b in zip(torch.autograd.grad(ours, [hidden, weight]), torch.autograd.grad(trl, [hidden, weight]),
+                        strict=True):  # fmt: skip
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, c=cases[i]: f"{c}: {m}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Behaviour
+
+
+def _forward(hidden, weight, target, advantages, old, level, chunk):
+    """The operator's work for dapo with both gradients (what the autograd.Function's forward runs)."""
+    options = grpo.GRPOOptions("dapo", level, 0.0, 0.2, 0.2, None)
+    return grpo._forward(hidden, weight, target, advantages, old, None, None, options, 1.0, -100, None, None, chunk,
+                         "fp32", [True, True])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "level, with_old, matmuls", [("token", True, 3), ("sequence", False, 3), ("sequence", True, 4)]
+)
+def test_matmuls_per_chunk(level, with_old, matmuls):
+    """3 matmuls per chunk (logits, dW, dh), 4 when sequence weights need every logp first (module docstring); the
+    backward only scales the gradients."""
+    hidden, weight, target, advantages, old, _ = inputs()
+    with OpCalls() as calls:
+        _forward(hidden, weight, target, advantages, old if with_old else None, level, 11)
+    assert calls.counts["aten::mm"] + calls.counts["aten::addmm"] == matmuls * 2, calls.counts
+
+
+def test_no_tensor_holds_the_logits_of_every_token():
+    hidden, weight, target, advantages, old, _ = inputs()
+    with LargestNewTensor() as mode:
+        _forward(hidden, weight, target, advantages, old, "sequence", 7)
+    assert mode.largest <= max(7 * V, weight.numel(), hidden.numel()) < B * T * V
+
+
+def test_without_grad_and_caller_tensors_unmodified():
+    hidden, weight, target, advantages, old, ref = inputs()
+    options = dict(old_logps=old, ref_logps=ref, beta=0.1, loss_type="grpo", importance_sampling_level="sequence")
+    with torch.no_grad():
+        plain = liger_lab.fused_linear_grpo(hidden, weight, target, advantages, **options)
+    tensors = [hidden.requires_grad_(), weight.requires_grad_(), target, advantages, old, ref]
+    before = [t.detach().clone() for t in tensors]
+    loss = liger_lab.fused_linear_grpo(hidden, weight, target, advantages, **options)
+    loss.backward()
+    assert loss.dtype == torch.float32 and loss.shape == () and torch.equal(loss.detach(), plain)
+    assert all(torch.equal(t.detach(), b) for t, b in zip(tensors, before, strict=True))
+
+
+def test_operator_with_every_optional_tensor_passes_opcheck():
+    """The table's row runs the default call (every opcheck test, torch.compile); this covers the old, ref and
+    num_items tensors and the first logp pass. Not test_schema: it runs the op under a mode that checks every aten
+    call of the interpreted kernels (4 s here), and these read-only inputs change nothing it checks."""
+    hidden, weight, target, advantages, old, ref = inputs()
+    num_items = torch.tensor(30.0, device=runtime.DEVICE)
+    args = (hidden, weight, target, advantages, old, ref, num_items, "cispo", "sequence", 0.1, 0.2, 3.0, None, 0.9,
+            -100, None, None, None, "fp32", [True, True])  # fmt: skip
+    tests = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.liger_lab.fused_linear_grpo, args, test_utils=tests)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_target_out_of_range_on_the_gpu_path_gives_nan_loss_and_gradients(level, monkeypatch):
+    """The GPU's logic (no host read of the range check) on the interpreter's tensors."""
+    monkeypatch.setattr(runtime, "HOST_READS_WAIT", True)
+    hidden, weight, target, advantages, old, _ = inputs()
+    target[1, 3] = V
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    loss = liger_lab.fused_linear_grpo(hidden, weight, target, advantages, old_logps=old,
+                                       importance_sampling_level=level)  # fmt: skip
+    assert all(torch.isnan(t).all() for t in (loss, *torch.autograd.grad(loss, [hidden, weight])))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: {**a, "hidden": a["hidden"][0]}, r"\(B, T, H\)"),
+        (lambda a: {**a, "weight": a["weight"][:, :-1]}, "weight has shape"),
+        (lambda a: {**a, "weight": a["weight"].half()}, "one dtype"),
+        (lambda a: {**a, "target": a["target"][:, :-1]}, "target has shape"),
+        (lambda a: {**a, "target": a["target"].float()}, "integer"),
+        (lambda a: {**a, "target": a["target"].masked_fill(a["target"] == a["target"].max(), V)}, "out of range"),
+        (lambda a: {**a, "advantages": a["advantages"][:-1]}, "advantages has shape"),
+        (lambda a: {**a, "advantages": a["advantages"].long()}, "floating"),
+        (lambda a: {**a, "old_logps": a["old_logps"][:, :-1]}, "old_logps has shape"),
+        (lambda a: {**a, "ref_logps": a["ref_logps"][None]}, "ref_logps has shape"),
+        (lambda a: {**a, "loss_type": "sapo"}, "loss_type"),
+        (lambda a: {**a, "importance_sampling_level": "batch"}, "importance_sampling_level"),
+        (lambda a: {**a, "beta": 0.1, "ref_logps": None}, "ref_logps"),
+        (lambda a: {**a, "beta": -0.1}, "beta"),
+        (lambda a: {**a, "epsilon_low": float("nan")}, "epsilon_low"),
+        (lambda a: {**a, "epsilon_high": -0.2}, "epsilon_high"),
+        (lambda a: {**a, "delta": 0.0}, "delta"),
+        (lambda a: {**a, "temperature": 0.0}, "temperature"),
+        (lambda a: {**a, "max_completion_length": 0}, "max_completion_length"),
+        (lambda a: {**a, "num_items_in_batch": torch.ones(2)}, "num_items_in_batch"),
+        (lambda a: {**a, "num_items_in_batch": -1}, "num_items_in_batch"),
+        (lambda a: {**a, "ignore_index": 0.5}, "ignore_index"),
+        (lambda a: {**a, "chunk_tokens": 0}, "chunk_tokens"),
+    ],
+)
+def test_bad_input_is_a_value_error(change, message):
+    hidden, weight, target, advantages, old, ref = inputs()
+    given = dict(hidden=hidden, weight=weight, target=target, advantages=advantages, old_logps=old, ref_logps=ref)
+    before = {k: v.clone() for k, v in given.items()}
+    args = change(given)
+    positional = [args.pop(k) for k in ("hidden", "weight", "target", "advantages")]
+    with pytest.raises(ValueError, match=message):
+        liger_lab.fused_linear_grpo(*positional, **args)
+    assert all(torch.equal(given[k], before[k]) for k in given)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_bf16_large_vocabulary(loss_type, level):
+    torch.manual_seed(1)
+    hidden = randn(4, 300, 256, dtype=torch.bfloat16)
+    weight = randn(50257, 256, dtype=torch.bfloat16, scale=256**-0.5)
+    target = torch.randint(0, 50257, (4, 300), device=runtime.DEVICE)
+    target[0, 200:] = -100
+    with torch.no_grad():
+        logp = reference.fused_linear_logprobs(hidden.float(), weight.float(), target)
+    old = logp + 0.2 * torch.randn_like(logp)
+    advantages = randn(4)
+    assert check(hidden, weight, target, advantages, old_logps=old, loss_type=loss_type,
+                 importance_sampling_level=level, epsilon_high=3.0 if loss_type == "cispo" else 0.28)  # fmt: skip

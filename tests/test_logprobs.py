@@ -1,0 +1,225 @@
+"""The RL head (per-token log-probabilities and entropies of hidden @ weight.T) against float64, TRL's fused head,
+opcheck and torch.compile with dynamic shapes."""
+
+import pytest
+import torch
+import torch._dynamo.testing
+from helpers import LargestNewTensor, randn, row_strided
+
+import liger_lab
+from liger_lab import reference, runtime
+from liger_lab.checks import check_against_reference
+from liger_lab.ops import logprobs
+
+B, T, H, V = 2, 7, 16, 40
+
+
+def targets(shape=(B, T), vocab=V, ignore_index=-100):
+    t = torch.randint(0, vocab, shape, device=runtime.DEVICE)
+    t.view(-1)[::4] = ignore_index
+    return t
+
+
+def check(hidden, weight, target, bias=None, tol=None, **options):
+    """Every output and the gradients of hidden, weight (and bias) against float64, random upstream gradients on
+    each output."""
+    ref_options = {k: v for k, v in options.items() if k not in ("chunk_tokens", "accumulation")}
+    tensors, names = [hidden, weight], ["hidden", "weight"]
+    if bias is not None:
+        tensors, names = [*tensors, bias], [*names, "bias"]
+    return check_against_reference(
+        "fused_linear_logprobs",
+        lambda h, w, *b: liger_lab.fused_linear_logprobs(h, w, target, *b, **options),
+        lambda h, w, *b: reference.fused_linear_logprobs(h, w, target, *b, **ref_options),
+        tensors,
+        input_names=names,
+        tol=tol,
+    )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"entropy": True, "chunk_tokens": 5},  # chunks of 5 rows: the last one short
+        {"entropy": True, "temperature": 0.6, "bias": True},
+        {"temperature": 1.7, "bias": True, "chunk_tokens": 9, "ignore_index": 3},
+    ],
+)
+def test_matches_float64(options):
+    options = dict(options)
+    bias = randn(V, scale=0.5) if options.pop("bias", False) else None
+    target = targets(ignore_index=options.get("ignore_index", -100))
+    assert check(randn(B, T, H), randn(V, H, scale=2 * H**-0.5), target, bias, **options)
+
+
+def test_vocabulary_over_blocks_with_the_max_in_a_later_block():
+    # 16411 columns: two 16384-column blocks in the interpreter. The bias raises the last columns, so a row's running
+    # max moves in the second block and the entropy's running sum u is moved with it (exp(d) (u + d s)).
+    vocab = 16411
+    bias = torch.zeros(vocab, device=runtime.DEVICE)
+    bias[16384:] = 4.0
+    target = targets((5,), vocab)
+    target[1] = vocab - 1
+    assert check(randn(5, 8), randn(vocab, 8, scale=0.5), target, bias, entropy=True, temperature=0.8)
+
+
+def test_huge_logits_and_fp16():
+    # Logits in the thousands: logp and H are differences of numbers of order log V, never of the raw logits.
+    assert check(randn(B, T, H, scale=300.0), randn(V, H, scale=H**-0.5), targets(), entropy=True, tol=1e-4)
+    hidden, weight = randn(B, T, H, dtype=torch.float16), randn(V, H, dtype=torch.float16, scale=2 * H**-0.5)
+    assert check(hidden, weight, targets(), entropy=True, chunk_tokens=8)
+
+
+def test_a_near_certain_row_keeps_the_digits_of_its_entropy():
+    """A logit 25 above the others: s = 1 + 5e-10, below fp32's resolution of 1, so a plain log s is 0 and the
+    entropy (1.5e-8) would be 4% off; s kept as ties + rest gives it to fp32 precision (module docstring)."""
+    bias = torch.zeros(V, device=runtime.DEVICE)
+    bias[3] = 25.0
+    target = targets((12,))
+    target[::2] = 3
+    assert check(randn(12, H, scale=0.1), randn(V, H, scale=0.1), target, bias, entropy=True)
+
+
+def test_only_one_output_used_and_strided_hidden():
+    """A loss of the entropy alone (logp's gradient is None in the backward) and of logp alone (no entropy term)."""
+    hidden, weight, target = row_strided(randn(B * T, H)), randn(V, H, scale=0.5), targets((B * T,))
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h64, w64 = (x.detach().double().requires_grad_() for x in (hidden, weight))
+    for output in (0, 1):
+        ours = liger_lab.fused_linear_logprobs(h, w, target, entropy=True, chunk_tokens=6)[output]
+        theirs = reference.fused_linear_logprobs(h64, w64, target, entropy=True)[output]
+        scale = torch.linspace(-1, 2, B * T, device=runtime.DEVICE)
+        grads = torch.autograd.grad((ours * scale).sum(), [h, w])
+        expected = torch.autograd.grad((theirs * scale.double()).sum(), [h64, w64])
+        for got, exp in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-6)
+
+
+def test_ignored_rows_are_zero_with_zero_gradient():
+    hidden, weight = randn(B, T, H).requires_grad_(), randn(V, H).requires_grad_()
+    target = torch.full((B, T), -100, device=runtime.DEVICE)
+    target[0, 3] = 5
+    logp, entropy = liger_lab.fused_linear_logprobs(hidden, weight, target, entropy=True)
+    assert logp.dtype == entropy.dtype == torch.float32 and logp.shape == entropy.shape == (B, T)
+    assert logp.count_nonzero() == 1 and entropy.count_nonzero() == 1
+    (grad,) = torch.autograd.grad((logp + entropy).sum(), hidden)
+    assert grad.count_nonzero(dim=-1).count_nonzero() == 1  # only the kept row's hidden state
+
+
+def test_matches_trls_fused_head():
+    """TRL 1.16's ChunkedLogProbFunction (the kernel behind add_fused_lm_head; torch ops on CPU) gives the same
+    log-probabilities and entropies."""
+    trl_kernels = pytest.importorskip("trl.kernels")
+    hidden, weight, bias, target = randn(B * T, H), randn(V, H, scale=0.5), randn(V, scale=0.3), targets((B * T,))
+    kept = target != -100
+    theirs = trl_kernels.ChunkedLogProbFunction.apply(
+        hidden[kept], weight, bias, target[kept], 0.7, 16, None, 1.0, ("entropy",)
+    )
+    ours = liger_lab.fused_linear_logprobs(hidden, weight, target, bias, temperature=0.7, entropy=True)
+    for got, expected in zip(ours, theirs[:2], strict=True):
+        torch.testing.assert_close(got[kept], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_no_tensor_holds_the_logits_of_every_token():
+    n_tokens, vocab = 40, 300
+    hidden, weight = randn(n_tokens, 8).requires_grad_(), randn(vocab, 8).requires_grad_()
+    target = targets((n_tokens,), vocab)
+    with LargestNewTensor() as mode:
+        logp, entropy = liger_lab.fused_linear_logprobs(hidden, weight, target, entropy=True, chunk_tokens=8)
+        torch.autograd.grad((logp - entropy).sum(), [hidden, weight])
+    assert mode.largest <= max(8 * vocab, weight.numel(), hidden.numel()) < n_tokens * vocab
+
+
+def test_operators_with_bias_and_entropy_pass_opcheck():
+    """The table's row has no bias; this covers the bias and both outputs' gradients (the forward op carries its
+    autograd formula, which opcheck checks too). test_schema runs in the table's opcheck: under its mode every
+    aten call of the interpreted kernels is checked (seconds here), and the bias changes nothing it checks."""
+    hidden, weight, bias = (t.requires_grad_() for t in (randn(9, H), randn(V, H), randn(V)))
+    target = targets((9,))
+    args = (hidden, weight, target, bias, 0.8, -100, True, None, "fp32")
+    tests = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.liger_lab.fused_linear_logprobs, args, test_utils=tests)
+    _, entropy, stats = torch.ops.liger_lab.fused_linear_logprobs(*args)
+    backward_args = (randn(9), randn(9), hidden.detach(), weight.detach(), target, bias.detach(), stats.detach(),
+                     entropy.detach(), 0.8, -100, None, "fp32", [True, True, True])  # fmt: skip
+    torch.library.opcheck(torch.ops.liger_lab.fused_linear_logprobs_backward, backward_args, test_utils=tests)
+
+
+def test_compiled_with_dynamic_shapes_matches_eager():
+    """One graph for every number of tokens (dynamic=True, fullgraph=True): no recompilation when N changes."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+
+    def loss(h, w, t):
+        logp, entropy = liger_lab.fused_linear_logprobs(h, w, t, temperature=0.9, entropy=True, chunk_tokens=8)
+        return (logp * 2.0 + 0.1 * entropy).sum()
+
+    compiled = torch.compile(loss, backend=counter, dynamic=True, fullgraph=True)
+    weight = randn(V, H)
+    for n_tokens in (9, 13):
+        hidden, target = randn(n_tokens, H), targets((n_tokens,))
+        results = []
+        for fn in (loss, compiled):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            value = fn(h, w, target)
+            results.append((value, *torch.autograd.grad(value, [h, w])))
+        for got, expected in zip(*results, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: {**a, "weight": a["weight"][:, :-1]}, "weight has shape"),
+        (lambda a: {**a, "weight": a["weight"].half()}, "one dtype"),
+        (lambda a: {**a, "hidden": a["hidden"].double()}, "dtype"),
+        (lambda a: {**a, "bias": a["weight"][0]}, "bias has shape"),
+        (lambda a: {**a, "target": a["target"][:, :-1]}, "target has shape"),
+        (lambda a: {**a, "target": a["target"].float()}, "integer"),
+        (lambda a: {**a, "target": a["target"].masked_fill(a["target"] == a["target"].max(), V)}, "out of range"),
+        (lambda a: {**a, "temperature": 0.0}, "temperature"),
+        (lambda a: {**a, "temperature": float("inf")}, "temperature"),
+        (lambda a: {**a, "entropy": 1}, "entropy"),
+        (lambda a: {**a, "ignore_index": 0.5}, "ignore_index"),
+        (lambda a: {**a, "chunk_tokens": 0}, "chunk_tokens"),
+        (lambda a: {**a, "accumulation": "fp64"}, "accumulation"),
+    ],
+)
+def test_bad_input_is_a_value_error(change, message):
+    given = dict(hidden=randn(B, T, H), weight=randn(V, H), target=targets(), bias=randn(V))
+    before = {k: v.clone() for k, v in given.items()}
+    args = change(given)
+    positional = [args.pop(k) for k in ("hidden", "weight", "target")]
+    with pytest.raises(ValueError, match=message):
+        liger_lab.fused_linear_logprobs(*positional, **args)
+    assert all(torch.equal(given[k], before[k]) for k in given)
+
+
+def test_a_target_out_of_range_on_the_gpu_path_gives_nan_outputs_and_gradients(monkeypatch):
+    """The GPU's logic (no host read of the range check) on the interpreter's tensors: a bad target never yields
+    plausible numbers, and no ignored row's zero gradient survives either."""
+    monkeypatch.setattr(runtime, "HOST_READS_WAIT", True)
+    hidden, weight, bias = (t.requires_grad_() for t in (randn(B, T, H), randn(V, H), randn(V)))
+    target = targets()
+    target[1, 2] = V
+    outputs = liger_lab.fused_linear_logprobs(hidden, weight, target, bias, entropy=True, chunk_tokens=8)
+    grads = torch.autograd.grad(outputs[0].sum() + outputs[1].sum(), [hidden, weight, bias])
+    assert all(torch.isnan(t).all() for t in (*outputs, *grads))
+
+
+def test_chunk_budget():
+    rows = torch.empty(40_000, 1024, dtype=torch.bfloat16)  # 78 MiB of hidden gradient
+    weight = torch.empty(128256, 1024, dtype=torch.bfloat16)
+    assert logprobs.chunk_rows(rows, weight, 7, True) == 7
+    # The budget less the hidden gradient's N x H bytes, in multiples of 64 rows.
+    assert logprobs.chunk_rows(rows, weight, None, False) > logprobs.chunk_rows(rows, weight, None, True) >= 64
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("entropy", [False, True])
+def test_bf16_128k_vocabulary(entropy):
+    hidden = randn(300, 256, dtype=torch.bfloat16)
+    weight = randn(128256, 256, dtype=torch.bfloat16, scale=256**-0.5)
+    assert check(hidden, weight, targets((300,), 128256), entropy=entropy, chunk_tokens=128)

@@ -1,0 +1,154 @@
+"""TRL 1.16's trainers on liger_lab's LM head (``liger_lab.patch_trl``): each trainer trains 3 steps on a tiny random
+Llama (saved to disk, so the trainers build their reference models as they do from a hub id), once on TRL's own head
+and once on liger_lab's; the loss and every logged metric agree, and liger_lab's head served the calls."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", minversion="1.16")
+datasets = pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+
+import liger_lab  # noqa: E402
+from liger_lab import trl_head  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(60)]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{word: i + 3 for i, word in enumerate(WORDS)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _text(i: int, words: int) -> str:
+    return " ".join(WORDS[(7 * i + j) % len(WORDS)] for j in range(words))
+
+
+def _length_reward(completions, **kwargs):
+    return [float(len(completion)) for completion in completions]
+
+
+def _trainer(kind: str, model_dir: str, output_dir: str):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    common = dict(
+        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2, report_to=[], logging_steps=1,
+        use_cpu=True, save_strategy="no", learning_rate=1e-3, bf16=False, seed=0,
+    )  # fmt: skip
+    prompts = [_text(i, 3) for i in range(8)]
+    if kind == "sft":
+        data = datasets.Dataset.from_dict({"text": [_text(i, 6) for i in range(8)]})
+        return trl.SFTTrainer(model_dir, args=trl.SFTConfig(**common), train_dataset=data, processing_class=tokenizer)
+    if kind == "dpo":
+        columns = {"prompt": prompts, "chosen": [_text(i + 1, 4) for i in range(8)]}
+        data = datasets.Dataset.from_dict({**columns, "rejected": [_text(i + 2, 3) for i in range(8)]})
+        return trl.DPOTrainer(model_dir, args=trl.DPOConfig(**common), train_dataset=data, processing_class=tokenizer)
+    if kind == "kto":
+        columns = {"prompt": prompts, "completion": [_text(i + 1, 4) for i in range(8)]}
+        data = datasets.Dataset.from_dict({**columns, "label": [i % 2 == 0 for i in range(8)]})
+        return trl.KTOTrainer(model_dir, args=trl.KTOConfig(**common), train_dataset=data, processing_class=tokenizer)
+    config, trainer = {"grpo": (trl.GRPOConfig, trl.GRPOTrainer), "rloo": (trl.RLOOConfig, trl.RLOOTrainer)}[kind]
+    args = config(**common, num_generations=2, max_completion_length=4, beta=0.04)
+    data = datasets.Dataset.from_dict({"prompt": prompts})
+    return trainer(model_dir, reward_funcs=_length_reward, args=args, train_dataset=data, processing_class=tokenizer)
+
+
+def _train(kind, model_dir, output_dir, *, patched):
+    trainer = _trainer(kind, model_dir, output_dir)
+    head = liger_lab.patch_trl() if patched else None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+    finally:
+        liger_lab.unpatch_trl()
+    logged = [row for row in trainer.state.log_history if "loss" in row]
+    messages = [str(w.message) for w in caught if "liger_lab" in str(w.message)]
+    return logged, head, messages
+
+
+# fp32 throughout (TRL's configs default to bf16 autocast, on CPU too, where two heads round differently): every
+# logged number of every step agrees to fp32 rounding, carried through 3 optimizer steps.
+METRIC_TOL = 1e-4
+UNCOMPARED = {"step_time", "learning_rate", "epoch", "train_runtime"}
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo", "rloo"])
+def test_trainer_runs_on_liger_lab_head_like_on_trl_s_own(kind, tiny_model_dir, tmp_path):
+    theirs, _, _ = _train(kind, tiny_model_dir, str(tmp_path / "trl"), patched=False)
+    ours, head, messages = _train(kind, tiny_model_dir, str(tmp_path / "liger_lab"), patched=True)
+    assert head.calls >= STEPS and head.fallbacks == 0, (head.calls, head.fallbacks)
+    assert len(ours) == len(theirs) == STEPS
+    for step, (our_row, their_row) in enumerate(zip(ours, theirs, strict=True), 1):
+        assert our_row.keys() == their_row.keys()
+        for name in our_row.keys() - UNCOMPARED:
+            assert math.isclose(our_row[name], their_row[name], rel_tol=METRIC_TOL, abs_tol=METRIC_TOL), (step, name)
+    # SFT logs the token accuracy and KTO the mean logit: statistics TRL's head computes beside ours, said once.
+    expects_statistics = kind in ("sft", "dpo", "kto")
+    assert any("TRL's head computes" in m for m in messages) == expects_statistics, messages
+
+
+def test_outputs_and_gradients_match_trl_s_head():
+    from trl.kernels import ChunkedLogProbFunction
+
+    torch.manual_seed(0)
+    hidden = torch.randn(13, 16, requires_grad=True)
+    weight = (0.3 * torch.randn(40, 16)).requires_grad_()
+    bias = (0.1 * torch.randn(40)).requires_grad_()
+    target = torch.randint(0, 40, (13,))
+    upstream = torch.randn(2, 13)
+    head = trl_head.LigerLabHead(ChunkedLogProbFunction)
+    results = []
+    for function in (ChunkedLogProbFunction, head):
+        outputs = function.apply(hidden, weight, bias, target, 0.7, 32768, None, 1.0, ("log_probs", "entropy"))
+        assert all(o is None for o in outputs[2:])
+        grads = torch.autograd.grad((outputs[0] * upstream[0] + outputs[1] * upstream[1]).sum(), (hidden, weight, bias))
+        results.append((outputs[:2], grads))
+    assert head.calls == 1
+    for ours, theirs in zip(*(torch.cat([t.flatten() for t in (*o, *g)]) for o, g in results), strict=True):
+        assert math.isclose(ours, theirs, rel_tol=1e-4, abs_tol=1e-5)
+
+
+def test_a_scaled_or_soft_capped_head_stays_trl_s_with_a_warning():
+    from trl.kernels import ChunkedLogProbFunction
+
+    head = trl_head.LigerLabHead(ChunkedLogProbFunction)
+    hidden, weight, target = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    with pytest.warns(UserWarning, match="soft-caps its logits"):
+        out = head.apply(hidden, weight, None, target, 1.0, 32768, 30.0, 1.0, ("log_probs",))
+    expected = ChunkedLogProbFunction.apply(hidden, weight, None, target, 1.0, 32768, 30.0, 1.0, ("log_probs",))
+    torch.testing.assert_close(out[0], expected[0])
+    assert (head.calls, head.fallbacks) == (0, 1)
+
+
+def test_patch_trl_twice_and_unpatch_restore_trl_s_head():
+    from trl.trainer import utils
+
+    original = utils._ChunkedLogProbFunction
+    head = liger_lab.patch_trl()
+    try:
+        assert liger_lab.patch_trl() is head and utils._ChunkedLogProbFunction is head
+    finally:
+        liger_lab.unpatch_trl()
+    assert utils._ChunkedLogProbFunction is original
+    liger_lab.unpatch_trl()  # nothing to undo
+    assert utils._ChunkedLogProbFunction is original
