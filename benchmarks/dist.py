@@ -1,10 +1,10 @@
 """A Llama-style model under FSDP2 on several GPUs: tokens/s and peak memory per GPU, per patching mode.
 
-    python benchmarks/dist.py --nproc 2 --modes hf,liger_lab --model 8b --seqs 8192,12288,16384,24576,32768 \
+    python -m benchmarks.dist --nproc 2 --modes hf,liger_lab --model 8b --seqs 8192,12288,16384,24576,32768 \
         --json benchmarks/results/h200x2-dist.json
-    python benchmarks/dist.py --nproc 2 --modes hf,liger_lab --model tiny --seqs 16,32    # on CPU (gloo)
+    python -m benchmarks.dist --nproc 2 --modes hf,liger_lab --model tiny --seqs 16,32    # on CPU (gloo)
 
-Each mode is one ``torchrun`` launch of this script with ``--worker`` (patching changes transformers for the whole
+Each mode is one ``torchrun`` launch of this module with ``--worker`` (patching changes transformers for the whole
 process). A worker builds the model (bf16 on the GPU), patches it for its mode, shards each decoder layer,
 ``lm_head`` (its own unit: the largest weight) and the root with ``fully_shard``, then, for each sequence length
 from the shortest, times ``--steps`` AdamW steps at batch ``--batch`` per GPU after one warm-up step. Rank 0
@@ -20,12 +20,14 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import liger_lab  # noqa: F401  (chooses GPU or interpreter before triton is imported)
 from liger_lab import distributed, e2e, runtime
+from liger_lab.workbook import results
 
 FSDP = "fully_shard: layers, lm_head, root"
 
@@ -41,26 +43,26 @@ def worker(args: argparse.Namespace) -> None:
         fully_shard(layer)
     fully_shard(model.lm_head)
     fully_shard(model)
-    optimizer = e2e._optimizer(model, lr=1e-4)
+    optimizer = e2e.make_optimizer(model, lr=1e-4)
     for seq in sorted(int(s) for s in args.seqs.split(",")):
-        tokens = e2e._batch(config, args.batch, seq, seed=rank)
-        e2e._reset_peak()
+        tokens = e2e.random_batch(config, args.batch, seq, seed=rank)
+        e2e.reset_peak_memory()
         try:
-            losses = [e2e._step(model, optimizer, tokens).item()]  # warm-up
+            losses = [e2e.train_step(model, optimizer, tokens).item()]  # warm-up
             runtime.synchronize()
             start = time.perf_counter()
             for _ in range(args.steps):
-                losses.append(e2e._step(model, optimizer, tokens).item())
+                losses.append(e2e.train_step(model, optimizer, tokens).item())
             runtime.synchronize()
         except torch.OutOfMemoryError:
             if rank == 0:
                 print(json.dumps({"impl": args.mode, "seq": seq, "gpus": world, "error": "out of memory", "oom": True}))
             break
         seconds = time.perf_counter() - start
-        peak = torch.tensor([e2e._peak_gib() or 0.0], device=runtime.DEVICE if backend == "nccl" else "cpu")
+        peak = torch.tensor([e2e.peak_memory_gib() or 0.0], device=runtime.DEVICE if backend == "nccl" else "cpu")
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         if rank == 0:
-            row = e2e._row(args.mode, config, args.batch, seq, gpus=world, fsdp=FSDP,
+            row = e2e.result_row(args.mode, config, args.batch, seq, gpus=world, fsdp=FSDP,
                            tokens_per_s_per_gpu=round(args.batch * seq * args.steps / seconds),
                            peak_gib_max_gpu=None if runtime.INTERPRET else round(peak.item(), 2),
                            losses=[round(x, 4) for x in losses], timer="wall clock, synchronised")  # fmt: skip
@@ -72,9 +74,9 @@ def launch(args: argparse.Namespace, mode: str) -> list[dict]:
     """One torchrun launch of the worker for ``mode``: its rows, printed as they come, and an error row if it
     ended otherwise than by running out of memory."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", __file__,
-        "--worker", "--mode", mode, "--model", args.model, "--seqs", args.seqs, "--batch", str(args.batch),
-        "--steps", str(args.steps),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "-m",
+        __spec__.name, "--worker", "--mode", mode, "--model", args.model, "--seqs", args.seqs,
+        "--batch", str(args.batch), "--steps", str(args.steps),
     ]  # fmt: skip
     rows, start = [], time.perf_counter()
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
@@ -106,7 +108,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per GPU")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -118,9 +120,7 @@ def main() -> None:
         fitting = [r["seq"] for r in rows if r.get("impl") == mode and "error" not in r]
         print(f"{mode}: largest sequence that trains at batch {args.batch} per GPU: {max(fitting, default=None)}")
         if args.json:  # after every mode, so a run cut short keeps what it measured
-            with open(args.json, "w") as out:
-                json.dump(rows, out, indent=1)
-                out.write("\n")
+            results.write_rows(rows, args.json, environment=e2e.environment_of(rows))
 
 
 if __name__ == "__main__":

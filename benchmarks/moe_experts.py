@@ -1,8 +1,8 @@
 """One MoE experts block, forward+backward: transformers' loop over the experts against the same loop patched by
 liger_lab (each expert's ``silu(gate) * up`` on the fused SwiGLU), with transformers' grouped_mm kernel beside them.
 
-    python benchmarks/moe_experts.py            # Qwen3-MoE- and Mixtral-shaped blocks in bf16 (a few minutes)
-    python benchmarks/moe_experts.py --quick    # a quarter of the tokens; on CPU, tiny shapes in Triton's interpreter
+    python -m benchmarks.moe_experts            # Qwen3-MoE- and Mixtral-shaped blocks in bf16 (a few minutes)
+    python -m benchmarks.moe_experts --quick    # a quarter of the tokens; on CPU, tiny shapes in Triton's interpreter
 
 transformers 5 keeps a mixture of experts' weights as two 3-D tensors per layer (``gate_up_proj`` (E, 2I, H) and
 ``down_proj`` (E, H, I)) in one ``...Experts`` module, whose forward is a Python loop over the experts that got
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,12 +38,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from run import default_name
 from torch import nn
 
 import liger_lab
-from liger_lab import bench, patching, profiling, runtime
+from benchmarks.run import default_name
+from liger_lab import bench, hf, profiling, runtime
 from liger_lab.checks import relative_l2_error
+from liger_lab.workbook import results
 
 IMPLS = {"transformers": "eager", "liger_lab": "eager", "transformers grouped_mm": "grouped_mm"}
 """Each row's implementation -> the experts_implementation it runs with."""
@@ -101,7 +101,7 @@ def build(block: Block, dtype: torch.dtype) -> tuple[nn.Module, Callable[..., to
     """The block's experts module, built while its family is patched (so it is the fused class), and transformers'
     own forward, which the unpatched rows call on the same module and weights."""
     modeling = importlib.import_module(f"transformers.models.{block.model_type}.modeling_{block.model_type}")
-    name = f"{patching.FAMILIES[block.model_type].prefix}Experts"
+    name = f"{hf.FAMILIES[block.model_type].prefix}Experts"
     original = getattr(modeling, name)
     liger_lab.patch(block.model_type)
     try:
@@ -182,8 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     for block in todo:
         rows += [{**row, **environment} for row in measure_block(block, dtype)]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rows, indent=1) + "\n")
+        results.write_rows(rows, path)
         print(f"{block.name}: done after {time.perf_counter() - start:.0f} s, rows in {path}", flush=True)
     return 0
 

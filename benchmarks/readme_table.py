@@ -1,9 +1,15 @@
-"""Regenerate the benchmark table in README.md from committed result JSON.
+"""Regenerate the README's and the notes' tables from the results store.
 
-``python benchmarks/readme_table.py OPS_JSON [OPS_JSON ...] [--e2e FILE] [--section NAME] [--op OP ...]``
-rewrites the part of README.md between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` (NAME: ``bench`` by
-default, ``losses`` for the distillation and preference losses), listing every op of the files or those named by
-``--op``. A row of a later ops file replaces the row of the same op and implementation in an earlier one. The
+    python -m benchmarks.readme_table           # rewrite every generated table
+    python -m benchmarks.readme_table --check   # exit status 1 when a table differs from what the store gives
+
+Each table lies between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in its file and is made from named runs of
+the store (:mod:`liger_lab.workbook.results`), as :data:`TABLES` lists them: the op table and the end-to-end table
+of the README's benchmark section, its distillation and preference losses, the other vocabularies, and the
+end-to-end tables of ``benchmarks/notes/end_to_end.md``. To quote a newer run, import it into the store
+(``python -m benchmarks.import_results``), name it in :data:`TABLES` and run this.
+
+In the op tables a row of a later run replaces the row of the same op and implementation in an earlier one. The
 ``liger_lab`` column is the public call with no options; an opt-in variant (``liger_lab:in_place_backward``) is a
 row of its own under its op.
 """
@@ -11,8 +17,12 @@ row of its own under its op.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from liger_lab.workbook import results
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ["liger_lab", "liger", "liger:chunked", "torch_compile", "eager", "cce"]
@@ -23,6 +33,8 @@ CLOCKS = {
     "do_bench": "`do_bench` (CUDA events around each call)",
     "profiler": "the kernel sum under `torch.profiler`, the wall time of a call in brackets",
 }
+MODE_LABELS = {"hf": "Hugging Face eager", "liger": "Liger-Kernel"}
+"""How the end-to-end tables name a mode (the others by their own name)."""
 
 
 def _cell(row: dict | None) -> str:
@@ -33,7 +45,22 @@ def _cell(row: dict | None) -> str:
     return time + (f", {peak:.0f} MiB" if peak is not None else "")
 
 
+def ops_rows(names: Sequence[str], ops: Sequence[str] | None = None) -> list[dict]:
+    """The rows of the runs ``names``, a later run's row replacing an earlier one's of the same op and implementation
+    (and sweep point), only ``ops`` (and the ceilings) when given."""
+    rows: dict[tuple, dict] = {}
+    for name in names:
+        for row in results.load(name):
+            if ops and row["op"] not in ops and not row["op"].startswith("ceiling"):
+                continue
+            key = (row["op"], row.get("impl"), row.get("sweep"), row.get("tokens"), row.get("hidden"), row.get("run"))
+            rows[key] = row
+    return list(rows.values())
+
+
 def ops_table(all_rows: list[dict]) -> str:
+    """Forward+backward time (wall time in brackets) and peak of each op and implementation, liger_lab against
+    Liger-Kernel, the ceilings of each run, then the GPU, versions and the clock of each op."""
     rows = [r for r in all_rows if "full_ms" in r and "sweep" not in r]  # the protocol shapes only
     ops = list(dict.fromkeys(r["op"] for r in rows))
     impls = [i for i in IMPLS if any(r.get("impl") == i for r in rows)]
@@ -80,7 +107,12 @@ def ops_table(all_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def raw_rows(names: Sequence[str]) -> str:
+    return "Raw rows: " + ", ".join(f"`{(results.RESULTS_DIR / name).relative_to(ROOT)}`" for name in names) + "."
+
+
 def e2e_table(rows: list[dict]) -> str:
+    """One line per training run: mode, size, tokens/s and peak."""
     lines = ["| impl | batch x seq | tokens/s | peak GiB |", "|---|---|---|---|"]
     for r in rows:
         shape = f"{r.get('batch')} x {r.get('seq')}"
@@ -91,32 +123,100 @@ def e2e_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("ops_json", type=Path, nargs="+")
-    parser.add_argument("--e2e", type=Path, default=None)
-    parser.add_argument("--section", default="bench", help="the README's marked section to rewrite")
-    parser.add_argument("--op", action="append", default=None, help="an op to list (repeatable; default: all)")
-    args = parser.parse_args()
-    rows: dict[tuple, dict] = {}
-    for path in args.ops_json:
-        for row in json.loads(path.read_text()):
-            if args.op and row["op"] not in args.op and not row["op"].startswith("ceiling"):
-                continue
-            key = (row["op"], row.get("impl"), row.get("sweep"), row.get("tokens"), row.get("hidden"), row.get("run"))
-            rows[key] = row
-    text = ops_table(list(rows.values()))
-    names = ", ".join(f"`{p.relative_to(ROOT) if p.is_absolute() else p}`" for p in args.ops_json)
-    text += f"\n\nRaw rows: {names}."
-    if args.e2e:
-        text += "\n\nEnd to end (Llama-style 1.5B, AdamW, bf16):\n\n" + e2e_table(json.loads(args.e2e.read_text()))
-    readme = ROOT / "README.md"
-    content = readme.read_text()
-    start, end = f"<!-- {args.section}:start -->", f"<!-- {args.section}:end -->"
-    head, rest = content.split(start, 1)
+def sizes_table(rows: list[dict]) -> str:
+    """One line per mode, two columns (tokens/s, peak GiB) per size, in the order the run had them."""
+    sizes = list(dict.fromkeys((r["batch"], r["seq"]) for r in rows))
+    header = "".join(f" {batch} x {seq} tokens/s | peak GiB |" for batch, seq in sizes)
+    lines = [f"| mode |{header}", "|---" * (1 + 2 * len(sizes)) + "|"]
+    for mode in dict.fromkeys(r["impl"] for r in rows):
+        cells = []
+        for size in sizes:
+            row = next((r for r in rows if r["impl"] == mode and (r["batch"], r["seq"]) == size), None)
+            if row is None or row.get("oom"):
+                cells += ["out of memory" if row else "–", "–"]
+            else:
+                cells += [f"{row['tokens_per_s']:,.0f}", f"{row['peak_gib']:.1f}"]
+        lines.append(f"| {MODE_LABELS.get(mode, mode)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def vocab_table(rows: list[dict], presets: Sequence[str], modes: Sequence[str], ratio_to: str | None = None) -> str:
+    """Per preset and mode of a run of ``liger-lab bench e2e --fit``: tokens/s (over ``ratio_to``'s when given),
+    peak GiB and the largest batch that trains."""
+    train = {(r["model"], r["impl"]): r for r in rows if r["op"] == "e2e"}
+    fits = {(r["model"], r["impl"]): r for r in rows if r["op"] == "e2e_fit"}
+    some_train, some_fit = next(iter(train.values())), next(iter(fits.values()))
+    lines = [
+        f"| preset | mode | tokens/s at {some_train['batch']} x {some_train['seq']} | peak GiB | largest batch at seq "
+        f"{some_fit['seq']} |",
+        "|---|---|---|---|---|",
+    ]
+    for preset in presets:
+        for mode in modes:
+            row = train[preset, mode]
+            speed, base = row["tokens_per_s"], train[preset, ratio_to]["tokens_per_s"] if ratio_to else None
+            ratio = f" ({speed / base:.2f}x)" if base and mode != ratio_to else ""
+            largest = fits[preset, mode]["largest"]
+            lines.append(f"| {preset} | {MODE_LABELS.get(mode, mode)} | {speed:,.0f}{ratio} | {row['peak_gib']:.2f} | "
+                         f"{largest[0] if largest else 0} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A generated table: where it lies (a file of the clone and the name of its markers) and how it is made."""
+
+    path: str
+    marker: str
+    make: Callable[[], str]
+
+
+BENCH_OPS, BENCH_E2E = ("h200-ops-round6.json",), "h200-e2e-compile.json"
+LOSSES, LOSS_OPS = ("h200-ops-round2.json",), ("jsd", "fused_linear_jsd", "fused_linear_dpo", "fused_linear_orpo",
+                                                 "fused_linear_simpo")  # fmt: skip
+VOCAB, NOTES_E2E = "h200-e2e-vocab.json", "h200-e2e.json"
+TABLES = (
+    Table("README.md", "bench", lambda: f"{ops_table(ops_rows(BENCH_OPS))}\n\n{raw_rows(BENCH_OPS)}\n\n"
+          f"End to end (Llama-style 1.5B, AdamW, bf16):\n\n{e2e_table(results.load(BENCH_E2E))}"),
+    Table("README.md", "losses", lambda: f"{ops_table(ops_rows(LOSSES, LOSS_OPS))}\n\n{raw_rows(LOSSES)}"),
+    Table("README.md", "e2e-vocab", lambda: vocab_table(results.load(VOCAB), ("qwen3-1.5b", "gemma3-1.5b"),
+                                                       ("hf", "liger", "liger_lab"))),
+    Table("benchmarks/notes/end_to_end.md", "e2e", lambda: sizes_table(results.load(NOTES_E2E))),
+    Table("benchmarks/notes/end_to_end.md", "e2e-vocab", lambda: vocab_table(
+        results.load(VOCAB), ("gemma3-1.5b", "qwen3-1.5b"), ("liger", "liger_lab"), ratio_to="liger")),
+)  # fmt: skip
+"""Every generated table, with the runs of the store it quotes."""
+
+
+def regenerated(text: str, marker: str, table: str) -> str:
+    """``text`` with the part between the markers of ``marker`` replaced by ``table``."""
+    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+    if start not in text or end not in text:
+        raise ValueError(f"no {start} ... {end} section")
+    head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{start}\n{text}\n{end}{tail}")
+    return f"{head}{start}\n{table}\n{end}{tail}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a table is out of date")
+    args = parser.parse_args(argv)
+    stale = []
+    for path in dict.fromkeys(table.path for table in TABLES):
+        file = ROOT / path
+        old = new = file.read_text()
+        for table in (t for t in TABLES if t.path == path):
+            new = regenerated(new, table.marker, table.make())
+        if new != old:
+            stale.append(path)
+            if not args.check:
+                file.write_text(new)
+    verb = "out of date" if args.check else "rewritten"
+    for path in stale:
+        print(f"{path}: {verb}", file=sys.stderr if args.check else sys.stdout)
+    return 1 if args.check and stale else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

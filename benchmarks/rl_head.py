@@ -1,6 +1,6 @@
 """The RL head and GRPO against their peers, forward+backward, one process (the GPU issue's rows).
 
-    python benchmarks/rl_head.py --json out.json        # H200: 8192 tokens, H 4096, V 128256, bf16
+    python -m benchmarks.rl_head --json out.json        # H200: 8192 tokens, H 4096, V 128256, bf16
 
 Rows: liger_lab's ``fused_linear_logprobs`` (log-probs and entropy, upstream gradients on both) against TRL 1.16's
 fused head (``trl.kernels.ChunkedLogProbFunction``, the same two outputs); ``fused_linear_grpo`` (dapo, beta 0.04,
@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 import liger_lab
-from liger_lab import bench, profiling, runtime
+from liger_lab import profiling, runtime
+from liger_lab.workbook.results import write_rows
 
 
 def _inputs(n: int, h: int, v: int, dtype: torch.dtype):
@@ -110,7 +111,7 @@ def main() -> None:
     rows = _measure("fused_linear_logprobs", _head_rows(n, h, v, dtype), 8.0 * n * h * v, 4)
     rows += _measure("fused_linear_grpo", _grpo_rows(b, t, h, v, dtype), 6.0 * b * t * h * v, 3)
     if args.json:
-        bench.write_rows(rows, Path(args.json))
+        write_rows(rows, Path(args.json))
 
 
 if __name__ == "__main__":

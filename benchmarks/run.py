@@ -1,13 +1,14 @@
 """The benchmark protocol in one process: every op, every implementation, the ceilings, a norm sweep.
 
-    python benchmarks/run.py                 # protocol shapes on the GPU (minutes)
-    python benchmarks/run.py --quick         # smaller shapes, a short sweep
-    python benchmarks/run.py --short-sweep   # protocol shapes, a short sweep
-    python benchmarks/run.py --op rms_norm   # some ops only
-    python benchmarks/run.py --op jsd --impl liger_lab --impl liger   # some implementations only
+    python -m benchmarks.run                 # protocol shapes on the GPU (minutes)
+    python -m benchmarks.run --quick         # smaller shapes, a short sweep
+    python -m benchmarks.run --short-sweep   # protocol shapes, a short sweep
+    python -m benchmarks.run --op rms_norm   # some ops only
+    python -m benchmarks.run --op jsd --impl liger_lab --impl liger   # some implementations only
 
-Writes ``benchmarks/results/<name>.json`` (one row per measurement, each with the GPU name and the
-versions of torch, triton, liger_lab and Liger-Kernel) and two plots next to it: ``<name>-ops.png``
+Writes ``benchmarks/results/<name>.json`` (one row per measurement, each with the GPU name, the versions of torch,
+triton, liger_lab and Liger-Kernel and the commit, :func:`liger_lab.workbook.results.write_rows`; ``python -m
+benchmarks.import_results`` adds it to the results store) and two plots next to it: ``<name>-ops.png``
 (forward+backward time per op and implementation) and ``<name>-norms.png`` (achieved bandwidth of the
 norms against hidden size, one panel per token count, with the copy ceiling). The default name is the
 GPU's, e.g. ``nvidia-h200``.
@@ -19,7 +20,6 @@ kernel, and the run only shows that the script works.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections.abc import Sequence
@@ -34,6 +34,7 @@ from tqdm import tqdm  # noqa: E402
 import liger_lab  # noqa: E402, F401  (chooses GPU or interpreter before triton is imported)
 from liger_lab import bench, profiling, runtime  # noqa: E402
 from liger_lab.ops.table import OPS as TABLE  # noqa: E402
+from liger_lab.workbook.results import write_rows  # noqa: E402
 
 NORMS = ("rms_norm", "layer_norm")
 
@@ -157,9 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     name = args.name or default_name(args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
-    environment = bench.environment()
     json_path = args.out / f"{name}.json"
-    json_path.write_text(json.dumps([{**row, **environment} for row in rows], indent=1) + "\n")
+    write_rows(rows, json_path)
     print(f"wrote {json_path}")
     if results:
         bench.plot_ops(results).savefig(args.out / f"{name}-ops.png", dpi=120, bbox_inches="tight")

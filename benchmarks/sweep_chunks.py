@@ -1,10 +1,10 @@
 """Time and peak memory of a fused loss at several chunk sizes, each passed in as the op's keyword.
 
-    python benchmarks/sweep_chunks.py fused_linear_jsd chunk_tokens 528 832 1056 1584 [--json FILE]
-    python benchmarks/sweep_chunks.py fused_linear_dpo chunk_pairs 1 2 4
-    python benchmarks/sweep_chunks.py fused_linear_cross_entropy chunk_tokens 768 896 960 1024 \\
+    python -m benchmarks.sweep_chunks fused_linear_jsd chunk_tokens 528 832 1056 1584 [--json FILE]
+    python -m benchmarks.sweep_chunks fused_linear_dpo chunk_pairs 1 2 4
+    python -m benchmarks.sweep_chunks fused_linear_cross_entropy chunk_tokens 768 896 960 1024 \\
         --variant in_place_backward --peer liger
-    python benchmarks/sweep_chunks.py fused_linear_cross_entropy chunk_tokens 16 32 --quick --peer eager
+    python -m benchmarks.sweep_chunks fused_linear_cross_entropy chunk_tokens 16 32 --quick --peer eager
 
 The op runs at its protocol shape in bf16 (forward+backward; the profiler's kernel sum, wall time beside it);
 the default call is measured first as the yardstick. ``--variant`` adds one of the op's opt-in keyword sets (its
@@ -24,6 +24,7 @@ import torch
 import liger_lab  # noqa: F401  (chooses GPU or interpreter before triton is imported)
 from liger_lab import bench, profiling, runtime
 from liger_lab.ops.table import OPS as TABLE
+from liger_lab.workbook import results
 
 VARIANTS = sorted({variant for spec in TABLE.values() for variant in spec.variants})
 
@@ -39,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if runtime.INTERPRET and not args.quick:
-        raise SystemExit("sweep_chunks.py times the protocol shape on a GPU; --quick runs a small one here")
+        raise SystemExit("sweep_chunks times the protocol shape on a GPU; --quick runs a small one here")
     op, spec = bench.OPS[args.op], TABLE[args.op]
     if args.variant and args.variant not in spec.variants:
         raise SystemExit(f"{args.op} has no variant {args.variant!r}; it has {sorted(spec.variants) or 'none'}")
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(profiling.result_line(result), flush=True)
             rows.append({**result.as_row(), "shape": list(shape), **({"position": position} if position else {})})
     if args.json:
-        bench.write_rows(rows, args.json)
+        results.write_rows(rows, args.json)
 
 
 if __name__ == "__main__":

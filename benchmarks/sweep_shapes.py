@@ -1,9 +1,8 @@
 """liger_lab's default call against Liger-Kernel (and torch.compile) over a ladder of shapes: where is it slower?
 
-    python benchmarks/sweep_shapes.py --json benchmarks/results/h200-sweep-shapes.json \\
-        --plot benchmarks/results/h200-sweep-shapes.png --resume      # again until it says every shape is done
-    python benchmarks/sweep_shapes.py --op rms_norm --op cross_entropy --compile --json out.json
-    python benchmarks/sweep_shapes.py --quick --impl liger_lab --impl eager    # tiny shapes: checks the script
+    python -m benchmarks.sweep_shapes --json shapes.json --plot shapes.png --resume   # again until every shape is done
+    python -m benchmarks.sweep_shapes --op rms_norm --op cross_entropy --compile --json out.json
+    python -m benchmarks.sweep_shapes --quick --impl liger_lab --impl eager    # tiny shapes: checks the script
 
 Ops and shapes (bf16, forward+backward; tokens 2048, 8192, 32768 and 65536):
 
@@ -17,11 +16,11 @@ Ops and shapes (bf16, forward+backward; tokens 2048, 8192, 32768 and 65536):
 A shape whose inputs would not fit in ``--memory-gib`` (100) while they are made is skipped. Each implementation is
 measured by :mod:`liger_lab.bench`, on the clock of DESIGN.md (CUDA-graph replay where capture works, else the
 kernel sum under ``torch.profiler``; wall time of a call beside it), and printed as it finishes; a peer's line
-gives liger_lab's time over its own. ``--json`` is rewritten after every shape (rows with the GPU, versions and
-date, as ``run.py`` writes them), so a command stopped at its time limit keeps what it measured; ``--resume``
-keeps that file's rows and measures only what they lack (a failed measurement is not retried). ``--budget-s``
-starts no shape whose estimated time would end past it. ``--plot`` draws :func:`liger_lab.bench.plot_shape_sweep`
-of the rows.
+gives liger_lab's time over its own. ``--json`` is rewritten after every shape (rows with the GPU, versions, date
+and commit, :func:`liger_lab.workbook.results.write_rows`), so a command stopped at its time limit keeps what it
+measured; ``--resume`` keeps that file's rows and measures only what they lack (a failed measurement is not
+retried). ``--budget-s`` starts no shape whose estimated time would end past it. ``--plot`` draws
+:func:`liger_lab.bench.plot_shape_sweep` of the rows.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ matplotlib.use("Agg")  # a script that writes files: never open a window
 
 import liger_lab  # noqa: E402, F401  (chooses GPU or interpreter before triton is imported)
 from liger_lab import bench, profiling, runtime  # noqa: E402
+from liger_lab.workbook.results import write_rows  # noqa: E402
 
 OPS = ("rms_norm", "add_rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy",
        "fused_linear_cross_entropy")  # fmt: skip
@@ -184,14 +184,6 @@ def job_s(job: tuple[Point, Sequence[str]]) -> float:
     return sum(map(point.estimate_s, impls))
 
 
-def write_rows(rows: Sequence[dict], path: Path) -> None:
-    """Replace ``path`` whole (written aside, then renamed), so a run stopped midway leaves a readable file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(list(rows), indent=1) + "\n")
-    partial.replace(path)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -210,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="save the plot of the rows here (PNG)")
     args = parser.parse_args(argv)
     if runtime.INTERPRET and not args.quick:
-        raise SystemExit("sweep_shapes.py times large shapes on a GPU; --quick runs tiny ones here")
+        raise SystemExit("sweep_shapes times large shapes on a GPU; --quick runs tiny ones here")
     if args.resume and not args.json:
         parser.error("--resume reads the rows of --json")
 

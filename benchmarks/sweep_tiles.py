@@ -1,7 +1,7 @@
 """Launch settings of the norm, cross-entropy, RoPE and GLU kernels, each passed to the op's launcher as a config.
 
-    python benchmarks/sweep_tiles.py [--only norms|cross_entropy|rope|glu ...] [--json FILE]
-    python benchmarks/sweep_tiles.py --quick     # tiny shapes, one setting besides the default: runs on CPU too
+    python -m benchmarks.sweep_tiles [--only norms|cross_entropy|jsd|rope|glu ...] [--json FILE]
+    python -m benchmarks.sweep_tiles --quick     # tiny shapes, one setting besides the default: runs on CPU too
 
 At each op's DESIGN.md shape in bf16, what varies:
 
@@ -10,6 +10,8 @@ At each op's DESIGN.md shape in bf16, what varies:
   (:class:`liger_lab.runtime.RowLaunch`), each kernel timed alone;
 - cross_entropy: the streaming tile, columns per step and warps (a ``RowLaunch`` too), loss and gradient in one
   kernel;
+- jsd: the same streaming tiles for the JSD kernel's loss and gradient, once per divergence (the mixture of
+  beta 0.5 and both KL directions, beta 0 and 1);
 - rope: rows (one head of one position) per program and warps (:class:`liger_lab.ops.rope.RopeTile`), forward+backward;
 - glu (SwiGLU's kernels): block and warps (:class:`liger_lab.runtime.ElementwiseLaunch`), forward+backward.
 
@@ -17,7 +19,8 @@ Every setting's output is first compared with the default's (a setting that comp
 and not timed), then timed on the benchmark clock (:func:`liger_lab.profiling.gpu_time_ms`: CUDA-graph replay on
 the GPU), with the bandwidth implied by the fewest bytes the op's table row says it moves. Each row is printed as
 it finishes, then the fastest setting of each kernel against the default. The winners become the defaults in
-``liger_lab/runtime.py`` and ``liger_lab/ops/rope.py``; ``benchmarks/notes/`` says what was measured.
+``liger_lab/runtime.py``, ``liger_lab/ops/rope.py`` and ``liger_lab/ops/jsd.py``; ``benchmarks/notes/`` says what was
+measured.
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ from typing import NamedTuple
 import torch
 
 import liger_lab  # noqa: F401  (chooses GPU or interpreter before triton is imported)
-from liger_lab import bench, profiling, runtime
-from liger_lab.ops import cross_entropy, layer_norm, rms_norm, rope, swiglu
+from liger_lab import profiling, runtime
+from liger_lab.ops import cross_entropy, jsd, layer_norm, rms_norm, rope, swiglu
 from liger_lab.ops.table import OPS as TABLE
+from liger_lab.workbook import results
 
 triton = runtime.triton  # the module liger_lab.runtime imported once it had chosen GPU or interpreter
 
-GROUPS = ("norms", "cross_entropy", "rope", "glu")
+GROUPS = ("norms", "cross_entropy", "jsd", "rope", "glu")
 NORMS = ("rms_norm", "add_rms_norm", "layer_norm")
 EPS = 1e-6
 
@@ -180,7 +184,6 @@ def cross_entropy_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> 
     options = cross_entropy.LossOptions()
     counts = cross_entropy.count_targets(target, vocab, options.ignore_index)
     loss, grad = torch.empty(n_rows, device=logits.device), torch.empty_like(logits)
-    full_row = triton.next_power_of_2(vocab)
 
     def launch_with(launch: runtime.RowLaunch | None) -> tuple[torch.Tensor, torch.Tensor]:
         cross_entropy.cross_entropy_rows(
@@ -188,16 +191,47 @@ def cross_entropy_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> 
         )  # fmt: skip
         return loss, grad
 
-    tiles = [
+    default = runtime.streaming_row_launch(n_rows, vocab)
+    min_bytes = _bytes("cross_entropy", shape, TABLE["cross_entropy"].full_passes, dtype)
+    return setting_cases("cross_entropy", "loss+gradient", launch_with, default, streaming_tiles(settings, *shape),
+                         min_bytes)  # fmt: skip
+
+
+def streaming_tiles(settings: Settings, n_rows: int, n_cols: int) -> list[tuple[str, runtime.RowLaunch]]:
+    """The streaming settings (columns per step, rows, warps) as launches over rows of ``n_cols``."""
+    full_row = triton.next_power_of_2(n_cols)
+    return [
         (
             f"block_n={block_n} rows={rows} warps={warps}",
             runtime.RowLaunch(min(block_n, full_row), rows, warps, triton.cdiv(n_rows, rows)),
         )
         for block_n, rows, warps in settings.streaming
     ]
-    default = runtime.streaming_row_launch(n_rows, vocab)
-    min_bytes = _bytes("cross_entropy", shape, TABLE["cross_entropy"].full_passes, dtype)
-    return setting_cases("cross_entropy", "loss+gradient", launch_with, default, tiles, min_bytes)
+
+
+JSD_BETAS = (0.5, 0.0, 1.0)
+"""The JSD kernel's three divergences: the mixture, KL(P||Q) and KL(Q||P)."""
+
+
+def jsd_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> list[Case]:
+    """The JSD kernel per divergence: each row's loss and its gradient, scaled by a factor read on the GPU."""
+    shape, (student, teacher, target) = table_inputs("jsd", quick, dtype)
+    loss, grad = torch.empty(shape[0], device=student.device), torch.empty_like(student)
+    scale = torch.ones((), device=student.device)
+    default = runtime.streaming_row_launch(*shape, gpu_tile=jsd.GPU_TILE)
+    cases = []
+    for beta in JSD_BETAS:
+
+        def launch_with(launch: runtime.RowLaunch, beta: float = beta) -> tuple[torch.Tensor, torch.Tensor]:
+            jsd.jsd_rows(student, teacher, target, loss, beta, 1.0, -100, grad=grad, grad_scale=scale, launch=launch)
+            return loss, grad
+
+        # Fewest passes: read both inputs once (twice for the mixture, whose M needs both first) and write the grad.
+        passes = 5 if 0.0 < beta < 1.0 else 3
+        min_bytes = profiling.bytes_moved(student.numel(), passes, dtype)
+        cases += setting_cases("jsd", f"beta={beta:g}", launch_with, default, streaming_tiles(settings, *shape),
+                               min_bytes)  # fmt: skip
+    return cases
 
 
 def rope_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> list[Case]:
@@ -322,7 +356,7 @@ def cases_of(groups: Sequence[str], quick: bool) -> list[Case]:
     cases = []
     for op in NORMS:
         cases += norm_cases(op, settings, quick, dtype) if "norms" in groups or op in groups else []
-    builders = {"cross_entropy": cross_entropy_cases, "rope": rope_cases, "glu": glu_cases}
+    builders = {"cross_entropy": cross_entropy_cases, "jsd": jsd_cases, "rope": rope_cases, "glu": glu_cases}
     for group, build in builders.items():
         cases += build(settings, quick, dtype) if group in groups else []
     return cases
@@ -336,12 +370,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
     if runtime.INTERPRET and not args.quick:
-        raise SystemExit("sweep_tiles.py times the protocol shapes on a GPU; --quick runs tiny ones here")
+        raise SystemExit("sweep_tiles times the protocol shapes on a GPU; --quick runs tiny ones here")
     print(runtime.describe(), flush=True)
     rows = run(cases_of(args.only or GROUPS, args.quick))
     print("\n".join(fastest(rows)))
     if args.json:
-        bench.write_rows(rows, args.json)
+        results.write_rows(rows, args.json)
         print(f"wrote {args.json}")
 
 

@@ -6,12 +6,14 @@ available, Triton's interpreter on CPU tensors otherwise.
 
 import warnings
 
-from liger_lab import exercises, runtime
+from liger_lab import runtime
+from liger_lab.workbook import exercises
 
 try:  # tells DTensor how to run the ops shard by shard (tensor and sequence parallelism)
     from liger_lab.ops import sharding  # noqa: F401
 except (ImportError, AttributeError) as _error:  # DTensor internals this torch lacks: plain tensors still work
     warnings.warn(f"liger_lab: the ops will not take DTensor arguments with this torch: {_error}", stacklevel=2)
+from liger_lab.hf import patch, patch_report, unpatch
 from liger_lab.ops.cross_entropy import cross_entropy
 from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
@@ -19,6 +21,7 @@ from liger_lab.ops.grpo import fused_linear_grpo
 from liger_lab.ops.jsd import jsd
 from liger_lab.ops.layer_norm import layer_norm
 from liger_lab.ops.logprobs import fused_linear_logprobs
+from liger_lab.ops.mrope import mrope
 from liger_lab.ops.preference import (
     fused_linear_cpo,
     fused_linear_dpo,
@@ -29,8 +32,6 @@ from liger_lab.ops.preference import (
 from liger_lab.ops.rms_norm import add_rms_norm, rms_norm
 from liger_lab.ops.rope import apply_rotary_pos_emb, rope
 from liger_lab.ops.swiglu import geglu, swiglu
-from liger_lab.patching import patch, unpatch
-from liger_lab.patching import report as patch_report
 from liger_lab.trl_head import patch_trl, unpatch_trl
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "rms_norm",
     "add_rms_norm",
     "rope",
+    "mrope",
     "runtime",
     "swiglu",
     "geglu",

@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
-import json
 import os
 import secrets
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +22,12 @@ import click
 import torch
 from tqdm import tqdm
 
-from liger_lab import bench, checks, e2e, profiling, runtime
+from liger_lab import bench, e2e, profiling, runtime
 from liger_lab.e2e import DTYPES
+from liger_lab.hf import FAMILIES
 from liger_lab.ops.table import OPS as TABLE
-from liger_lab.patching import FAMILIES
+from liger_lab.workbook import checks
+from liger_lab.workbook.results import write_rows
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 IMPLS = list(dict.fromkeys(impl for op in bench.OPS.values() for impl in op.impls))
@@ -147,6 +149,8 @@ EXAMPLES = """Examples:
   liger-lab bench ops --op rms_norm --json rms.json --plot rms.png
   liger-lab bench e2e --breakdown              train the 1.5B model per mode
   liger-lab bench e2e --batch 16 --seq 4096 --fit 8x2048,16x4096,32x4096
+  liger-lab bench e2e --model qwen3-1.5b --model gemma3-1.5b --mode hf --mode liger --mode liger_lab --reference liger
+  liger-lab bench kernels fused_linear_jsd --impl liger   kernel by kernel (GPU)
   liger-lab exercises                          regenerate chapters/
   liger-lab workbook --ip 0.0.0.0 --port 8890  serve chapters/ (prints the URL with its token)
 """
@@ -292,7 +296,7 @@ def bench_ops(ops, impls, dtype, small, shape, json_path, plot_path) -> None:
         raise click.ClickException("nothing was measured" + (": see the reasons above" if failures else ""))
     profiling.print_table(results)
     if json_path:
-        bench.write_json(results, json_path, {"dtype": dtype})
+        write_rows([{**r.as_row(), "dtype": dtype} for r in results], json_path)
         click.echo(f"wrote {json_path}")
     if plot_path:
         bench.plot_ops(results).savefig(plot_path, dpi=120, bbox_inches="tight")
@@ -310,7 +314,28 @@ def _pair_sizes(batches: Sequence[int], seqs: Sequence[int]) -> list[tuple[int, 
     return list(zip(batches, seqs, strict=True))
 
 
-@bench_group.command("e2e", short_help="Train the Llama benchmark model per mode: tokens/s, peak memory.")
+class _Children:
+    """The e2e command's child processes: each row kept (and written to --json as it comes, so a run cut short keeps
+    what it measured), each child killed at --timeout-s or at the end of --budget-s, none started past the budget."""
+
+    def __init__(self, timeout_s: float | None, budget_s: float | None, json_path: Path | None) -> None:
+        self.timeout_s, self.json_path = timeout_s, json_path
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
+        self.rows: list[dict] = []
+
+    def run(self, task: str, **options: object) -> dict:
+        timeout_s = self.timeout_s
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            timeout_s = left if timeout_s is None else min(timeout_s, left)
+        row = e2e.run_isolated(task, timeout_s=timeout_s, **options)
+        self.rows.append(row)
+        if self.json_path:
+            write_rows(self.rows, self.json_path, environment=e2e.environment_of(self.rows))
+        return row
+
+
+@bench_group.command("e2e", short_help="Train model presets per mode: tokens/s, peak memory, the loss of every step.")
 @click.option(
     "--mode",
     "modes",
@@ -318,7 +343,13 @@ def _pair_sizes(batches: Sequence[int], seqs: Sequence[int]) -> list[tuple[int, 
     type=click.Choice(list(e2e.MODES)),
     help="Training mode (repeatable; default: every one available here). +compile: then torch.compile the model.",
 )
-@click.option("--model", type=click.Choice(["tiny", "1.5b"]), help="Model preset [default: 1.5b on GPU, tiny on CPU].")
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    type=click.Choice(sorted(e2e.MODEL_SIZES)),
+    help="Model preset (repeatable) [default: 1.5b on GPU, tiny on CPU].",
+)
 @click.option("--layers", type=click.IntRange(min=1), help="Override the number of decoder layers.")
 @click.option(
     "--batch", "batches", multiple=True, type=click.IntRange(min=1), help="Batch size [default: 8 on GPU, 2 on CPU]."
@@ -341,6 +372,19 @@ def _pair_sizes(batches: Sequence[int], seqs: Sequence[int]) -> list[tuple[int, 
     metavar="BxT,BxT,...",
     help="Also find, per mode, the largest of these sizes that trains without running out of memory.",
 )
+@click.option(
+    "--reference",
+    type=click.Choice(list(e2e.MODES)),
+    help="Also set every mode against this one (e.g. liger): tokens/s, peak, largest fit, liger_lab's targets.",
+)
+@click.option(
+    "--timeout-s", type=click.FloatRange(min=0, min_open=True), help="Kill a run still going after this many seconds."
+)
+@click.option(
+    "--budget-s",
+    type=click.FloatRange(min=0),
+    help="Seconds for the whole command: no run starts past them, and the one running then is killed.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write result rows here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Save a plot here.")
 @click.option(
@@ -357,7 +401,7 @@ def _pair_sizes(batches: Sequence[int], seqs: Sequence[int]) -> list[tuple[int, 
 )
 def bench_e2e(
     modes,
-    model,
+    models,
     layers,
     batches,
     seqs,
@@ -366,19 +410,23 @@ def bench_e2e(
     dtype,
     breakdown,
     fit_sizes,
+    reference,
+    timeout_s,
+    budget_s,
     json_path,
     plot_path,
     timeline_path,
     compile_backend,
 ) -> None:
-    """Train a Llama-style model a few steps per mode, each in a fresh process: tokens/s, peak memory, loss.
+    """Train each model preset a few steps per mode, each run in a fresh process: tokens/s, peak memory, loss.
 
-    The default model is the benchmark one: Llama-style, 1498M parameters, bf16, AdamW, 8 x 2048 tokens
-    per step. Each row is printed as its run finishes; then the loss of every step per run, whether
-    each compiled mode trains like its eager one, and the targets of liger_lab+compile. A +compile mode
-    compiles in its first warm-up step (at least one), which tokens/s never counts.
+    The default model is the benchmark one: Llama-style, 1498M parameters, bf16, AdamW, 8 x 2048 tokens per step;
+    qwen3-1.5b and gemma3-1.5b put about as many parameters behind larger vocabularies. Per preset, each row is
+    printed as its run finishes; then the loss of every step per run, whether each compiled mode trains like its
+    eager one, and the targets of liger_lab+compile. A +compile mode compiles in its first warm-up step (at least
+    one), which tokens/s never counts. Exit code 1 when a run failed (running out of memory is a result).
     """
-    model = model or runtime.pick(cpu="tiny", gpu="1.5b")
+    models = models or (runtime.pick(cpu="tiny", gpu="1.5b"),)
     sizes = _pair_sizes(batches or [runtime.pick(cpu=2, gpu=8)], seqs or [runtime.pick(cpu=16, gpu=2048)])
     try:
         candidates = [e2e.parse_shape(s) for s in fit_sizes.split(",") if s]
@@ -388,29 +436,67 @@ def bench_e2e(
     if missing:
         raise click.BadParameter(f"not available in this install: {', '.join(missing)}", param_hint="--mode")
     modes = modes or tuple(e2e.available_modes())
-    config = e2e.llama_config(model, layers=layers)
+    if reference is not None and reference not in modes:
+        hint = f"{reference} is not a mode of this run: add --mode {reference}"
+        raise click.BadParameter(hint, param_hint="--reference")
     click.echo(runtime.describe())
-    click.echo(f"model {model}: {e2e.count_parameters(config):,} parameters, {config.num_hidden_layers} layers")
-    if breakdown:
-        params_dtype = DTYPES[dtype] if dtype else e2e.default_dtype()
-        for batch, seq in sizes:
-            columns = {
-                "eager": e2e.memory_breakdown(config, batch, seq, dtype=params_dtype),
-                "fused": e2e.memory_breakdown(config, batch, seq, dtype=params_dtype, fused=True),
-            }
-            click.echo(f"\nanalytic memory of one step, batch {batch} x seq {seq}:\n{e2e.format_breakdown(columns)}\n")
+    children = _Children(timeout_s, budget_s, json_path)
+    common = dict(layers=layers, dtype=dtype, steps=steps, warmup=warmup, compile_backend=compile_backend)
+    for model in models:
+        config = e2e.model_config(model, layers=layers)
+        click.echo(f"\nmodel {model}: {config.model_type}, {e2e.count_parameters(config):,} parameters, "
+                   f"{config.num_hidden_layers} layers, vocabulary {config.vocab_size}")  # fmt: skip
+        if breakdown:
+            _print_breakdown(config, sizes, DTYPES[dtype] if dtype else e2e.default_dtype())
+        first = len(children.rows)
+        _train_model(children, model, modes, sizes, common)
+        if candidates:
+            for mode in modes:
+                click.echo(e2e.format_fit(children.run("fit", mode=mode, model=model, shapes=candidates, **common)))
+        if timeline_path:
+            batch, seq = sizes[0]
+            for mode in modes:
+                children.run("timeline", mode=mode, model=model, batch=batch, seq=seq, **common)
+        if reference is not None:
+            for batch, seq in sizes:
+                click.echo(e2e.format_reference(children.rows[first:], reference, modes, batch=batch, seq=seq))
+    if timeline_path:
+        timelines = [r for r in children.rows if r.get("op") == "e2e_timeline"]
+        e2e.plot_timelines(timelines).savefig(timeline_path, dpi=120, bbox_inches="tight")
+        click.echo(f"wrote {timeline_path}" + ("" if any(t.get("t_ms") for t in timelines) else " (empty: GPU only)"))
+    if json_path:
+        click.echo(f"wrote {json_path}")
+    if plot_path:
+        trained = [r for r in children.rows if r.get("op") == "e2e"]
+        e2e.plot_runs(trained).savefig(plot_path, dpi=120, bbox_inches="tight")
+        click.echo(f"wrote {plot_path}")
+    if any(r.get("error") for r in children.rows):
+        sys.exit(1)
 
-    common = dict(model=model, layers=layers, dtype=dtype, steps=steps, warmup=warmup, compile_backend=compile_backend)
+
+def _print_breakdown(config, sizes: Sequence[tuple[int, int]], dtype: torch.dtype) -> None:
+    for batch, seq in sizes:
+        columns = {
+            "eager": e2e.memory_breakdown(config, batch, seq, dtype=dtype),
+            "fused": e2e.memory_breakdown(config, batch, seq, dtype=dtype, fused=True),
+        }
+        click.echo(f"\nanalytic memory of one step, batch {batch} x seq {seq}:\n{e2e.format_breakdown(columns)}\n")
+
+
+def _train_model(
+    children: _Children, model: str, modes: Sequence[str], sizes: Sequence[tuple[int, int]], common: dict
+) -> None:
+    """Every mode at every size of one preset, each row printed as it comes; then every loss curve, each compiled
+    mode against its eager one and the targets of liger_lab+compile."""
     runs = [(mode, batch, seq) for batch, seq in sizes for mode in modes]
     click.echo(f"\ntraining: {len(runs)} runs, each in a fresh process [{e2e.timer_label()}]")
     click.echo(e2e.RUN_HEADER)
     rows = []
     for mode, batch, seq in runs:
-        row = e2e.run_isolated("train", mode=mode, batch=batch, seq=seq, **common)
-        rows.append(row)
-        if row.get("error"):
-            click.echo(f"{mode} {batch}x{seq} failed:\n{row['error']}", err=True)
-        click.echo(e2e.format_run(row, rows))
+        rows.append(children.run("train", mode=mode, model=model, batch=batch, seq=seq, **common))
+        if rows[-1].get("error"):
+            click.echo(f"{mode} {batch}x{seq} failed:\n{rows[-1]['error']}", err=True)
+        click.echo(e2e.format_run(rows[-1], rows))
     click.echo("\nloss per step (warm-up | timed):")
     for row in rows:
         click.echo(e2e.format_losses(row))
@@ -422,35 +508,55 @@ def bench_e2e(
         if e2e.TARGET_MODE in modes:
             click.echo(f"targets of {e2e.TARGET_MODE} at {batch}x{seq} [{e2e.timer_label()}]:")
             click.echo(e2e.format_targets(e2e.check_targets(rows, batch=batch, seq=seq)))
-    extra = []
-    if candidates:
-        for mode in tqdm(modes, desc="largest fit", unit="mode", disable=None, leave=False):
-            fit = e2e.run_isolated("fit", mode=mode, shapes=candidates, **common)
-            extra.append(fit)
-            largest = "x".join(map(str, fit["largest"])) if fit.get("largest") else "none"
-            oom = "x".join(map(str, fit["oom_at"])) if fit.get("oom_at") else "none of those tried"
-            click.echo(f"largest fit {mode:<10} {largest:>10}   (first out of memory: {oom})")
-    if timeline_path:
-        batch, seq = sizes[0]
-        timelines = [e2e.run_isolated("timeline", mode=m, batch=batch, seq=seq, **common) for m in modes]
-        extra += timelines
-        e2e.plot_timelines(timelines).savefig(timeline_path, dpi=120, bbox_inches="tight")
-        click.echo(f"wrote {timeline_path}" + ("" if any(t.get("t_ms") for t in timelines) else " (empty: GPU only)"))
+
+
+def _kernel_times(op: bench.OpBench, impl: str, calls: int) -> dict[str, float]:
+    """Kernel times of one forward+backward of ``impl`` at the op's protocol shape in bf16 (inputs freed on return)."""
+    fn = op.impls[impl]()
+    inputs = op.make_inputs(op.shape, torch.bfloat16)
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    return runtime.kernel_times_ms(lambda: torch.autograd.grad(fn(*inputs), leaves), calls=calls)
+
+
+@bench_group.command("kernels", short_help="Where an op's forward+backward spends its GPU time, kernel by kernel.")
+@click.argument("ops", nargs=-1, required=True, type=click.Choice(list(bench.OPS)))
+@click.option("--impl", default="liger_lab", show_default=True, type=click.Choice(IMPLS), help="Implementation.")
+@click.option("--calls", default=3, show_default=True, type=click.IntRange(min=1), help="Profiled calls per op.")
+@click.option("--top", default=12, show_default=True, type=click.IntRange(min=1), help="Kernels printed per op.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write result rows here.")
+def bench_kernels(ops, impl, calls, top, json_path) -> None:
+    """For each of OPS at its protocol shape in bf16, one forward+backward profiled CALLS times under torch.profiler,
+    every kernel, copy and fill summed by name (liger_lab.runtime.kernel_times_ms): the largest with their share of
+    the op's time, and the matmul floor (FLOPs at the measured bf16 rate) when the op has one. GPU only."""
+    if runtime.INTERPRET:
+        raise click.ClickException("bench kernels needs a GPU: the interpreter runs no kernels to profile")
+    rate = profiling.matmul_tflops()
+    rows = []
+    for name in ops:
+        op = bench.OPS[name]
+        reason = op.unavailable_reason(impl)
+        if reason is not None:
+            raise click.ClickException(f"{name} {impl}: {reason}")
+        times = _kernel_times(op, impl, calls)
+        total = sum(times.values())
+        floor = op.flops(op.shape) / (rate * 1e12) * 1e3 if op.flops else None
+        floor_text = f", matmul floor {floor:.2f} ms" if floor else ""
+        click.echo(f"\n{name} {impl} {op.shape}: kernels {total:.2f} ms{floor_text}")
+        for kernel, ms in list(times.items())[:top]:
+            click.echo(f"  {ms:8.3f} ms  {ms / total:5.1%}  {kernel[:90]}")
+        rows.append({"op": name, "impl": impl, "shape": list(op.shape), "dtype": "bf16", "kernel_ms": round(total, 3),
+                     "floor_ms": floor, "kernels_ms": {k: round(v, 3) for k, v in times.items()},
+                     "timer": "profiler"})  # fmt: skip
+        torch.cuda.empty_cache()  # this op's inputs are gone: their blocks back for the next op
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(rows + extra, indent=1) + "\n")
+        write_rows(rows, json_path)
         click.echo(f"wrote {json_path}")
-    if plot_path:
-        e2e.plot_runs(rows).savefig(plot_path, dpi=120, bbox_inches="tight")
-        click.echo(f"wrote {plot_path}")
-    if any(r.get("error") for r in rows + extra):
-        sys.exit(1)
 
 
 @main.command()
 def exercises() -> None:
     """Regenerate chapters/ (exercise notebooks) from solutions/."""
-    from liger_lab.chapters import generate
+    from liger_lab.workbook.chapters import generate
 
     for path in generate():
         click.echo(f"wrote {path}")

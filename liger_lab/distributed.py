@@ -319,9 +319,9 @@ def _curve(device: torch.device, rank: int, world: int, steps: int) -> dict[str,
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for input_ids in batches:
             if model is reference:
-                loss = e2e._step(model, optimizer, input_ids)
+                loss = e2e.train_step(model, optimizer, input_ids)
             else:  # this process's rows; the loss averaged over the processes
-                loss = _mean_loss(e2e._step(model, optimizer, input_ids[rank * per_rank : (rank + 1) * per_rank]))
+                loss = _mean_loss(e2e.train_step(model, optimizer, input_ids[rank * per_rank : (rank + 1) * per_rank]))
             curves[label].append(loss.item())
     return curves
 

@@ -8,7 +8,7 @@ tokens of the config's vocabulary, the same for both models. Five stages, each p
 1. **The unpatched training step, profiled** (``torch.profiler``): time per category, the share of the step
    each op that :func:`liger_lab.patch` replaces holds (the most patching can gain: Amdahl's bound), and the
    peak memory of the forward, the backward and the optimizer step.
-2. **What patch replaces** and what it leaves alone, and why (:func:`liger_lab.patching.report`).
+2. **What patch replaces** and what it leaves alone, and why (:func:`liger_lab.patch_report`).
 3. **Every replaced module against its original**, on the inputs it received in one forward of the model
    (captured by forward pre-hooks): the output and the gradient of every input that carried one in the model and
    of every parameter, each against the original module run in float64. The tolerance is the dtype's
@@ -45,9 +45,9 @@ running (the GPU waiting on Python and launches); in Triton's interpreter (CPU) 
 host idle is the time with no operator running (Python between them): host-bound figures that say nothing about a
 GPU.
 
-Private helpers used: ``e2e._transformers``, ``e2e._batch``, ``e2e._optimizer``, ``e2e._reset_peak``,
-``e2e._peak_gib`` and ``e2e._environment`` (the benchmark's model-independent pieces),
-``patching._UNFUSED`` (a fused class's transformers class) and ``patching._REPORTED_FALLBACKS`` (emptied for
+The benchmark's model-independent pieces come from :mod:`liger_lab.e2e` (``import_transformers``, ``random_batch``,
+``make_optimizer``, ``reset_peak_memory``, ``peak_memory_gib``, ``environment``). Private helpers used:
+``hf.registry._UNFUSED`` (a fused class's transformers class) and ``hf.loss._REPORTED_FALLBACKS`` (emptied for
 the run so that a fallback warned earlier in the process is warned, and seen, again).
 """
 
@@ -76,8 +76,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils import _pytree as pytree
 
 import liger_lab
-from liger_lab import checks, e2e, patching, runtime
+from liger_lab import e2e, hf, runtime
 from liger_lab.cli import CheckCase, run_case
+from liger_lab.workbook import checks
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -173,12 +174,12 @@ def prepare(
     if max_batch is not None and max_batch < batch:
         raise ValueError(f"max_batch is {max_batch}: expected at least the batch, {batch}")
     try:
-        config = e2e._transformers().AutoConfig.from_pretrained(config_file)
+        config = e2e.import_transformers().AutoConfig.from_pretrained(config_file)
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot read {config_file}: {error}") from None
-    if config.model_type not in patching.FAMILIES:
+    if config.model_type not in hf.FAMILIES:
         raise ValueError(
-            f"{config_file} is a {config.model_type!r} model: liger_lab.patch supports {sorted(patching.FAMILIES)}"
+            f"{config_file} is a {config.model_type!r} model: liger_lab.patch supports {sorted(hf.FAMILIES)}"
         )
     config.use_cache = False
     return Plan(
@@ -191,7 +192,7 @@ def prepare(
 def _build(plan: Plan) -> nn.Module:
     """The model of ``plan`` on :data:`runtime.DEVICE`, in train mode: its weights, or random ones (seeded, so two
     builds are the same model)."""
-    auto = e2e._transformers().AutoModelForCausalLM
+    auto = e2e.import_transformers().AutoModelForCausalLM
     torch.manual_seed(SEED)
     common = dict(config=plan.config, dtype=plan.dtype, attn_implementation="sdpa")
     if plan.weights is not None:
@@ -218,7 +219,7 @@ def _phase(name: str, peaks: dict[str, int] | None) -> Iterator[None]:
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, peaks=None) -> torch.Tensor:
-    """:func:`liger_lab.e2e._step`, with the peak memory of each phase recorded when ``peaks`` is given."""
+    """:func:`liger_lab.e2e.train_step`, with the peak memory of each phase recorded when ``peaks`` is given."""
     with _phase("forward", peaks):
         loss = model(input_ids=tokens, labels=tokens).loss
     with _phase("backward", peaks):
@@ -255,7 +256,7 @@ def _train(label: str, model: nn.Module, optimizer: torch.optim.Optimizer, token
     torch.manual_seed(SEED)
     losses = [_step(model, optimizer, tokens)]
     runtime.synchronize()
-    e2e._reset_peak()
+    e2e.reset_peak_memory()
     peaks: dict[str, int] = {}
     start = time.perf_counter()
     losses += [_step(model, optimizer, tokens, peaks) for _ in range(steps - 1)]
@@ -294,19 +295,19 @@ def _largest_batch(model: nn.Module, plan: Plan) -> dict[str, Any]:
     while batches[-1] * 2 < plan.max_batch:
         batches.append(batches[-1] * 2)
     batches = sorted({*batches, plan.max_batch})
-    optimizer = e2e._optimizer(model, LR)
+    optimizer = e2e.make_optimizer(model, LR)
     fits: list[dict[str, Any]] = []
     oom_at = None
     for index, batch in enumerate([batches[0], *batches]):  # the first step creates AdamW's states, unrecorded
-        e2e._reset_peak()
+        e2e.reset_peak_memory()
         try:
-            _step(model, optimizer, e2e._batch(plan.config, batch, plan.seq, SEED))
+            _step(model, optimizer, e2e.random_batch(plan.config, batch, plan.seq, SEED))
             runtime.synchronize()
         except torch.cuda.OutOfMemoryError:
             oom_at = batch
             break
         if index:
-            fits.append({"batch": batch, "peak_gib": e2e._peak_gib()})
+            fits.append({"batch": batch, "peak_gib": e2e.peak_memory_gib()})
     optimizer.zero_grad(set_to_none=True)
     del optimizer
     torch.cuda.empty_cache()
@@ -567,8 +568,8 @@ def _unfused_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of a patched module with transformers' classes back (its children's too), in ``dtype``."""
     clone = copy.deepcopy(module)
     for part in clone.modules():
-        if type(part) in patching._UNFUSED:
-            part.__class__ = patching._UNFUSED[type(part)]
+        if type(part) in hf.registry._UNFUSED:
+            part.__class__ = hf.registry._UNFUSED[type(part)]
             part.__dict__.pop("in_place_backward", None)
     return clone.to(dtype)
 
@@ -673,19 +674,19 @@ def _check_loss(model: nn.Module, output: Any, tokens: torch.Tensor, dtype: torc
         setattr(model, base, original_base)
 
 
-def replaced_modules(model: nn.Module) -> tuple[list[str], patching.PatchReport, list[str]]:
+def replaced_modules(model: nn.Module) -> tuple[list[str], hf.PatchReport, list[str]]:
     """Patch ``model``, note which modules patch replaced, its report and the warnings it gave (an activation
     without a kernel), and unpatch it."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         liger_lab.patch(model)
-    report = patching.report(model)
+    report = hf.patch_report(model)
     # An experts module of fused class runs transformers' own kernel unless the report counts its fused loop.
     loop = any(kind.startswith("MoE experts") for kind in report.replaced)  # (SwiGLU) or (GeGLU)
     fused = [
         name
         for name, module in model.named_modules()
-        if type(module) in patching._UNFUSED and (loop or not type(module).__name__.endswith("Experts"))
+        if type(module) in hf.registry._UNFUSED and (loop or not type(module).__name__.endswith("Experts"))
     ]
     liger_lab.unpatch(model)
     return fused, report, [str(w.message) for w in caught]
@@ -733,7 +734,7 @@ class DoctorResult:
     device: str
     timer: str
     profile: StepProfile  # of the unpatched step
-    patch: patching.PatchReport
+    patch: hf.PatchReport
     checks: list[ModuleCheck]
     unpatched: TrainRun
     patched: TrainRun
@@ -843,7 +844,7 @@ def _phases(run: TrainRun) -> str:
     return f"peak memory by phase: {phases} (peak in the {run.peak_phase})"
 
 
-def format_patch(report: patching.PatchReport) -> str:
+def format_patch(report: hf.PatchReport) -> str:
     return f"[2/{STAGES}] what patch replaces\n" + "\n".join("  " + line for line in str(report).splitlines())
 
 
@@ -910,14 +911,14 @@ def _fallbacks_seen(found: list[str]) -> Iterator[None]:
     """Collect the fallbacks liger_lab warns of while a patched model runs (its messages start with "liger_lab:"),
     every one: the record of those already warned of in this process is emptied for the while, then merged back.
     Other warnings are warned again, each once."""
-    warned = set(patching._REPORTED_FALLBACKS)
-    patching._REPORTED_FALLBACKS.clear()
+    warned = set(hf.loss._REPORTED_FALLBACKS)
+    hf.loss._REPORTED_FALLBACKS.clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield
     finally:
-        patching._REPORTED_FALLBACKS.update(warned)
+        hf.loss._REPORTED_FALLBACKS.update(warned)
     others = {}
     for warning in caught:
         if str(warning.message).startswith("liger_lab"):
@@ -937,7 +938,7 @@ def run(plan: Plan, progress: Callable[[str], None] | None = print) -> DoctorRes
     """The five stages of :func:`doctor` for a checked :class:`Plan`, each printed through ``progress`` as it
     finishes."""
     say = progress or (lambda _: None)
-    tokens = e2e._batch(plan.config, plan.batch, plan.seq, SEED)
+    tokens = e2e.random_batch(plan.config, plan.batch, plan.seq, SEED)
     dtype = next(name for name, value in e2e.DTYPES.items() if value == plan.dtype)
     weights = f"weights from {plan.weights}" if plan.weights else "random weights from its config"
     model = _build(plan)
@@ -945,7 +946,7 @@ def run(plan: Plan, progress: Callable[[str], None] | None = print) -> DoctorRes
     say(format_header(str(plan.source), plan.config.model_type, parameters, weights, plan.batch, plan.seq, dtype,
                       plan.steps))  # fmt: skip
     say(f"\ntraining the unpatched model {plan.steps} steps, then profiling one ...")
-    optimizer = e2e._optimizer(model, LR)
+    optimizer = e2e.make_optimizer(model, LR)
     unpatched = _train("unpatched", model, optimizer, tokens, plan.steps)
     step_profile = profile_step(model, optimizer, tokens)
     record_timelines = bool(plan.plot_path) and not runtime.INTERPRET
@@ -964,7 +965,7 @@ def run(plan: Plan, progress: Callable[[str], None] | None = print) -> DoctorRes
         say(format_checks(module_checks, dtype))
         _release_memory()
         say(f"\ntraining the patched model {plan.steps} steps, then profiling one ...")
-        optimizer = e2e._optimizer(model, LR)
+        optimizer = e2e.make_optimizer(model, LR)
         patched = _train("patched", model, optimizer, tokens, plan.steps)
         patched_profile = profile_step(model, optimizer, tokens)
         if record_timelines:
@@ -985,7 +986,7 @@ def run(plan: Plan, progress: Callable[[str], None] | None = print) -> DoctorRes
     result = DoctorResult(
         str(plan.source), plan.config.model_type, parameters, weights, dtype, plan.batch, plan.seq, plan.steps,
         runtime.describe(), e2e.timer_label(), step_profile, report, module_checks, unpatched, patched, losses,
-        fallbacks, patched_profile, largest, timelines, e2e._environment(),
+        fallbacks, patched_profile, largest, timelines, e2e.environment(),
     )  # fmt: skip
     say("\n" + format_verdict(result))
     _write(result, plan, say)

@@ -18,14 +18,32 @@ Every figure here is measured the same way for every implementation, in the same
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from tqdm import TqdmWarning
 
 from liger_lab import runtime
 
 MIB = 2**20
+
+
+def _import_tqdm_auto_quietly() -> None:
+    """Import ``tqdm.auto`` once, without its warning that ipywidgets is missing.
+
+    transformers, huggingface_hub and accelerate import ``tqdm.auto``. In a Jupyter kernel without ipywidgets it
+    warns (``TqdmWarning: IProgress not found``) and falls back to tqdm's text bars, which is what the workbook
+    wants: it installs no ipywidgets. The warning says nothing a learner can act on, so it is silenced here, that
+    one warning only. Every chapter imports this module (directly, or through ``bench`` and ``e2e``) before
+    transformers, and a module is imported once: the later imports find it and do not warn."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found", category=TqdmWarning)
+        import tqdm.auto  # noqa: F401
+
+
+_import_tqdm_auto_quietly()
 
 
 def time_ms(fn: Callable[[], object]) -> float:
@@ -45,7 +63,11 @@ def gpu_time_ms(fn: Callable[[], object], *, graph: bool = True) -> tuple[float,
         ms = runtime.measure_graph_ms(fn)
         if ms is not None:
             return ms, "cuda_graph"
-    ms = runtime.measure_kernel_sum_ms(fn)
+    with warnings.catch_warnings():
+        # torch.profiler warns, once per process, that a profile keeps only its last cycle's events: a kernel sum
+        # profiles a single cycle, so there is nothing to lose. Other warnings of the measured calls still show.
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
+        ms = runtime.measure_kernel_sum_ms(fn)
     if ms:  # None in the interpreter
         return ms, "profiler"
     return time_ms(fn), "wall_clock"

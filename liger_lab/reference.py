@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from liger_lab.ops import grpo, preference
+from liger_lab.ops.preference import ORPO_MAX_AVG_LOGP
+
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting_mode: str = "llama"
@@ -104,18 +107,11 @@ def fused_linear_cross_entropy(
     weight: torch.Tensor,
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
-    softcap: float | None = None,
+    **options: object,
 ) -> torch.Tensor:
-    """``cross_entropy(hidden @ weight.T + bias, target)``: what the fused kernel never materialises."""
-    logits = F.linear(hidden, weight, bias)
-    return cross_entropy(
-        logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction,
-        softcap=softcap,
-    )  # fmt: skip
+    """:func:`cross_entropy` (its keyword ``options``) of ``hidden @ weight.T + bias``: the logits that the fused
+    kernel never materialises."""
+    return cross_entropy(F.linear(hidden, weight, bias), target, **options)
 
 
 def jsd(
@@ -166,37 +162,26 @@ def fused_linear_jsd(
     teacher_hidden: torch.Tensor,
     teacher_weight: torch.Tensor,
     target: torch.Tensor | None = None,
-    *,
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    num_items_in_batch: torch.Tensor | float | None = None,
+    **options: object,
 ) -> torch.Tensor:
-    """:func:`jsd` of the two heads' logits, ``student_hidden @ student_weight.T`` and
+    """:func:`jsd` (its keyword ``options``) of the two heads' logits, ``student_hidden @ student_weight.T`` and
     ``teacher_hidden @ teacher_weight.T`` (hidden sizes may differ): what the fused kernel never materialises.
     The teacher's head is a constant."""
     student_logits = F.linear(student_hidden, student_weight)
     teacher_logits = F.linear(teacher_hidden.detach(), teacher_weight.detach())
-    return jsd(student_logits, teacher_logits, target, beta=beta, temperature=temperature, ignore_index=ignore_index,
-               num_items_in_batch=num_items_in_batch)  # fmt: skip
+    return jsd(student_logits, teacher_logits, target, **options)
 
 
 # Preference losses: hidden (2B, T, H), rows [0, B) chosen and [B, 2B) rejected responses to the same prompts.
-
-ORPO_MAX_AVG_LOGP = -1e-6
-"""ORPO's cap on a sequence's mean token log-probability (its odds are infinite at 0)."""
 
 
 def sequence_logps(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logp, kept count) per sequence: the sum over positions whose target is not ``ignore_index`` of
-    log_softmax(hidden @ weight.T)[target] (0 when none is kept), and the number of those positions."""
-    logits = F.linear(hidden, weight)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    keep = target != ignore_index
-    picked = logits.log_softmax(-1).gather(-1, torch.where(keep, target, 0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(keep, picked, torch.zeros_like(picked)).sum(-1), keep.sum(-1)
+    """(logp, kept count) per sequence: the sum of :func:`fused_linear_logprobs` over the positions whose target is
+    not ``ignore_index`` (0 when none is kept), and the number of those positions."""
+    logp = fused_linear_logprobs(hidden, weight, target, ignore_index=ignore_index)
+    return logp.sum(-1), (target != ignore_index).sum(-1)
 
 
 def _mean_over_pairs(terms: torch.Tensor) -> torch.Tensor:
@@ -236,7 +221,10 @@ def fused_linear_dpo(
     sigmoid -logsigmoid(beta delta); hinge relu(1 - beta delta); ipo (the log-ratios over the completion lengths,
     clamped at 1, their difference - 1 / (2 beta))**2; robust (-(1 - ls) logsigmoid(beta delta)
     + ls logsigmoid(-beta delta)) / (1 - 2 ls). The reference's logps from ``ref_hidden @ ref_weight.T`` without
-    gradient, or ``ref_logps`` (2B,), chosen then rejected."""
+    gradient, or ``ref_logps`` (2B,), chosen then rejected. Options checked as the kernel's
+    (:func:`liger_lab.ops.preference.dpo_options`)."""
+    o = preference.dpo_options(beta, loss_type, label_smoothing)
+    beta, loss_type, label_smoothing = o.beta, o.loss_type, o.label_smoothing
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
     ref = _reference_sequence_logps(ref_hidden, ref_weight, ref_logps, target, ignore_index, logp.dtype)
@@ -269,7 +257,10 @@ def fused_linear_orpo(
 ) -> torch.Tensor:
     """ORPO: the chosen sequences' NLL averaged over their kept tokens (of ``nll_target`` (B, T) when given: TRL's
     ORPOTrainer takes it over prompt and response), minus beta * mean over pairs of logsigmoid(odds_c - odds_r),
-    odds = avg - log(1 - exp(avg)) with avg = logp / max(count, 1) capped at :data:`ORPO_MAX_AVG_LOGP`."""
+    odds = avg - log(1 - exp(avg)) with avg = logp / max(count, 1) capped at :data:`ORPO_MAX_AVG_LOGP` (the
+    kernel's), log(1 - exp(avg)) as the kernel's :func:`liger_lab.ops.preference.log1mexp` takes it (exact on both
+    sides of -log 2)."""
+    beta = preference.orpo_options(beta).beta
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
     nll_logp, nll_count = logp[:n_pairs], count[:n_pairs]
@@ -277,8 +268,7 @@ def fused_linear_orpo(
         nll_logp, nll_count = sequence_logps(hidden[:n_pairs], weight, nll_target, ignore_index)
     nll = -nll_logp.sum() / nll_count.sum().clamp(min=1)
     avg = (logp / count.clamp(min=1)).clamp(max=ORPO_MAX_AVG_LOGP)
-    log_1m_p = torch.where(avg > -0.6931471805599453, torch.log(-torch.expm1(avg)), torch.log1p(-torch.exp(avg)))
-    odds = avg - log_1m_p
+    odds = avg - preference.log1mexp(avg)
     return nll - beta * _mean_over_pairs(F.logsigmoid(odds[:n_pairs] - odds[n_pairs:]))
 
 
@@ -292,6 +282,8 @@ def fused_linear_simpo(
     ignore_index: int = -100,
 ) -> torch.Tensor:
     """SimPO: mean over pairs of -logsigmoid(beta * (avg_c - avg_r) - gamma), avg = logp / max(count, 1)."""
+    o = preference.simpo_options(beta, gamma)
+    beta, gamma = o.beta, o.gamma
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
     avg = logp / count.clamp(min=1)
@@ -301,20 +293,12 @@ def fused_linear_simpo(
 # The RL head and the GRPO family (TRL 1.16's GRPOTrainer._compute_loss on one micro-batch).
 
 
-def fused_linear_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
+def logprobs(
+    logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0, ignore_index: int = -100,
     entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Per-token log_softmax(z)[target] and, with ``entropy``, -(softmax(z) * log_softmax(z)).sum(-1), for
-    z = (hidden @ weight.T + bias) / temperature; both 0 where target is ``ignore_index``. Math in fp32 (fp64 for
-    fp64 input)."""
-    logits = F.linear(hidden, weight, bias)
+    z = logits / temperature; both 0 where target is ``ignore_index``. Math in fp32 (fp64 for fp64 input)."""
     log_p = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).log_softmax(-1)
     keep = target != ignore_index
     zero = log_p.new_zeros(())
@@ -322,6 +306,17 @@ def fused_linear_logprobs(
     if not entropy:
         return logp
     return logp, torch.where(keep, -(log_p.exp() * log_p).sum(-1), zero)
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    **options: object,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logprobs` (its keyword ``options``) of ``hidden @ weight.T + bias``: the RL head."""
+    return logprobs(F.linear(hidden, weight, bias), target, **options)
 
 
 def fused_linear_grpo(
@@ -350,19 +345,22 @@ def fused_linear_grpo(
     (TRL's completion_mask), advantages (B,) or (B, T), old_logps and ref_logps (B, T) or None: constants, like the
     advantages. One difference from TRL's text, none in value: a masked product ``x * mask`` is written
     ``where(mask, x, 0)``, equal wherever x is finite, so that padding positions (whose logp is 0 here) contribute 0
-    whatever old_logps and ref_logps hold there. The loss over no sequence at all is 0 (TRL's mean gives nan)."""
+    whatever old_logps and ref_logps hold there. The loss over no sequence at all is 0 (TRL's mean gives nan). The
+    options are checked, and epsilon_high defaulted, as the kernel's (:meth:`liger_lab.ops.grpo.GRPOOptions.checked`).
+    """
+    o = grpo.GRPOOptions.checked(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
+    loss_type, beta, epsilon_low, epsilon_high, delta = o.loss_type, o.beta, o.epsilon_low, o.epsilon_high, o.delta
     per_token_logps = fused_linear_logprobs(hidden, weight, target, temperature=temperature, ignore_index=ignore_index)
     dtype = per_token_logps.dtype
     keep = target != ignore_index
     mask = keep.to(dtype)
     masked = lambda x: torch.where(keep, x, torch.zeros((), dtype=dtype, device=x.device))  # noqa: E731
-    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     advantages = advantages.detach().to(dtype)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     old = per_token_logps.detach() if old_logps is None else old_logps.detach().to(dtype)
     log_ratio = per_token_logps - old
-    if importance_sampling_level == "token":
+    if o.level == "token":
         log_importance_weights = log_ratio
     else:
         log_importance_weights = (masked(log_ratio).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
@@ -414,16 +412,20 @@ def fused_linear_kto(
     """TRL 1.16's ``KTOTrainer`` loss, its text: hidden (B, T, H) completions, ``label`` (B,) nonzero for the
     desirable ones; the KL estimate ``kl`` as given, or (kl_logps - ref_kl_logps).mean().clamp(min=0), or 0; the
     weighted per-completion losses concatenated (desirable first) and averaged (0 for no completion at all, where
-    TRL's nanmean is NaN). The reference's logps from its head without gradient, or ``ref_logps`` (B,)."""
+    TRL's nanmean is NaN). The reference's logps from its head without gradient, or ``ref_logps`` (B,). Options
+    checked, and the estimate taken, as the kernel's (:func:`liger_lab.ops.preference.kto_options`,
+    :func:`~liger_lab.ops.preference.kl_estimate`)."""
+    o = preference.kto_options(beta, loss_type, desirable_weight, undesirable_weight)
+    beta, desirable_weight, undesirable_weight = o.beta, o.desirable_weight, o.undesirable_weight
     logps, _ = sequence_logps(hidden, weight, target, ignore_index)
     ref = _reference_sequence_logps(ref_hidden, ref_weight, ref_logps, target, ignore_index, logps.dtype)
     if kl is None and kl_logps is not None:
-        kl = (kl_logps.detach().to(logps.dtype) - ref_kl_logps.detach().to(logps.dtype)).mean().clamp(min=0)
+        kl = preference.kl_estimate(kl_logps, ref_kl_logps)
     kl = torch.as_tensor(0.0 if kl is None else kl, device=logps.device).detach().to(logps.dtype)
     desirable = label != 0
     chosen_logratios = logps[desirable] - ref[desirable]
     rejected_logratios = logps[~desirable] - ref[~desirable]
-    if loss_type == "kto":
+    if o.loss_type == "kto":
         chosen_losses = 1 - torch.sigmoid(beta * (chosen_logratios - kl))
         rejected_losses = 1 - torch.sigmoid(beta * (kl - rejected_logratios))
     else:  # apo_zero_unpaired
@@ -449,12 +451,13 @@ def fused_linear_cpo(
     """TRL 1.16's ``CPOTrainer`` loss, its text: ``losses.mean() + cpo_alpha * nll_loss``, the sequence scores the
     mean token log-probability for ipo and simpo (over max(count, 1) kept tokens, where TRL's 0 / 0 is NaN) and the
     sum otherwise, AlphaPO's reward (1 - p^-alpha) / alpha when alpha != 0, and the NLL the chosen rows'
-    cross-entropy (0 when no chosen token is kept). "alphapo" is simpo with cpo_alpha = 0, as CPOConfig makes it."""
-    if loss_type == "alphapo":
-        loss_type, cpo_alpha = "simpo", 0.0
+    cross-entropy (0 when no chosen token is kept). "alphapo" is simpo with cpo_alpha = 0, as CPOConfig makes it:
+    the options are checked and resolved as the kernel's (:func:`liger_lab.ops.preference.cpo_options`)."""
+    o = preference.cpo_options(beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha)
+    loss_type, beta, label_smoothing, cpo_alpha, alpha = o.loss_type, o.beta, o.label_smoothing, o.nll_weight, o.alpha
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
-    if loss_type in ("ipo", "simpo"):
+    if preference.averages(o):
         logp = logp / count.clamp(min=1)
     policy_chosen_logps, policy_rejected_logps = logp[:n_pairs], logp[n_pairs:]
     if alpha != 0.0:
@@ -465,7 +468,7 @@ def fused_linear_cpo(
         logits = policy_chosen_logps - policy_rejected_logps
     if loss_type in ("sigmoid", "simpo"):
         if loss_type == "simpo":
-            logits = logits - simpo_gamma / beta
+            logits = logits - o.gamma / beta
         losses = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
     elif loss_type == "hinge":
         losses = torch.relu(1 - beta * logits)
@@ -476,3 +479,30 @@ def fused_linear_cpo(
         chosen_logp, chosen_count = sequence_logps(hidden[:n_pairs], weight, target[:n_pairs], ignore_index)
         loss = loss + cpo_alpha * (-chosen_logp.sum() / chosen_count.sum().clamp(min=1))
     return loss
+
+
+def mrope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mrope_section: list[int],
+    *,
+    unsqueeze_dim: int = 1,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal RoPE: cos, sin (3, B or 1, T, D) hold one table per position stream (temporal, height, width).
+    Feature pair i (features i and i + D/2) takes its cos and sin from one stream: the first mrope_section[0] pairs
+    from the temporal one, the next mrope_section[1] from height, the rest from width; ``interleaved`` (Qwen3-VL):
+    height where i % 3 == 1 and i < 3 * mrope_section[1], width where i % 3 == 2 and i < 3 * mrope_section[2],
+    temporal elsewhere. Then RoPE with the picked (B or 1, T, D) tables, unsqueezed at ``unsqueeze_dim``."""
+    pairs = torch.arange(q.shape[-1] // 2, device=cos.device)
+    if interleaved:
+        height = (pairs % 3 == 1) & (pairs < 3 * mrope_section[1])
+        width = (pairs % 3 == 2) & (pairs < 3 * mrope_section[2])
+        stream = torch.where(height, 1, torch.where(width, 2, 0))
+    else:
+        stream = torch.repeat_interleave(torch.arange(3, device=cos.device), torch.tensor(mrope_section).to(cos.device))
+    index = torch.cat([stream, stream]).expand(1, *cos.shape[1:])
+    cos, sin = (table.gather(0, index).squeeze(0).unsqueeze(unsqueeze_dim) for table in (cos, sin))
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -2,59 +2,32 @@
 
 import pytest
 import torch
-from helpers import non_contiguous, randn, row_strided
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import OpCalls, check_op, non_contiguous, randn, row_strided
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference, relative_l2_error
+from liger_lab.checks import relative_l2_error
 from liger_lab.nn import AddRMSNorm, RMSNorm
 
 MODES = [("llama", 0.0), ("gemma", 1.0), ("llama", 1.0)]
-
-
-def _check(x, r, w, tol=None, **kwargs):
-    """Both outputs and the gradients of x, residual and weight against float64, with a random upstream gradient
-    for each output (so the sum's own gradient is not zero)."""
-    return check_against_reference(
-        "add_rms_norm",
-        lambda x, r, w: liger_lab.add_rms_norm(x, r, w, 1e-6, **kwargs),
-        lambda x, r, w: reference.add_rms_norm(x, r, w, 1e-6, **kwargs),
-        [x, r, w],
-        input_names=["x", "residual", "weight"],
-        tol=tol,
-    )
 
 
 def _leaves(*tensors):
     return [t.clone().requires_grad_() for t in tensors]
 
 
-class _BackwardCalls(TorchDispatchMode):
-    """The arguments of every liger_lab:: operator call, by operator name."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "liger_lab":
-            self.calls.append((func._schema.name.split("::")[1], args))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("shape", [(8, 64), (1, 37), (3, 7, 96), (130, 33), (2, 1, 4099)])
 @pytest.mark.parametrize("casting_mode,offset", MODES)
 def test_matches_float64_fp32(shape, casting_mode, offset):
     x, r, w = randn(*shape), randn(*shape), randn(shape[-1], scale=0.5)
-    assert _check(x, r, w, casting_mode=casting_mode, offset=offset)
+    assert check_op("add_rms_norm", x, r, w, casting_mode=casting_mode, offset=offset)
 
 
 @pytest.mark.parametrize("casting_mode,offset", MODES)
 def test_fp16(casting_mode, offset):
     x, r = randn(33, 257, dtype=torch.float16), randn(33, 257, dtype=torch.float16)
     w = (1 + 0.1 * randn(257)).half()
-    assert _check(x, r, w, casting_mode=casting_mode, offset=offset)
+    assert check_op("add_rms_norm", x, r, w, casting_mode=casting_mode, offset=offset)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -75,10 +48,10 @@ def test_loss_of_y_alone(casting_mode, offset):
     x, r, w = randn(6, 5, 48), randn(6, 5, 48), randn(48)
     dy = randn(6, 5, 48)
     xs, rs, ws = _leaves(x, r, w)
-    with _BackwardCalls() as recorded:
+    with OpCalls(keep_args=True) as calls:
         y, _ = liger_lab.add_rms_norm(xs, rs, ws, offset=offset, casting_mode=casting_mode)
         grads = torch.autograd.grad(y, [xs, rs, ws], dy)
-    (backward_args,) = [args for name, args in recorded.calls if name == "add_rms_norm_backward"]
+    (backward_args,) = [call.args for call in calls.recorded if call.name == "add_rms_norm_backward"]
     assert backward_args[1] is None  # ds
     xd, rd, wd = _leaves(x.double(), r.double(), w.double())
     y_ref, _ = reference.add_rms_norm(xd, rd, wd, offset=offset, casting_mode=casting_mode)
@@ -118,8 +91,8 @@ def test_non_contiguous_inputs(layout):
     x, r = layout(randn(24, 48)), layout(randn(24, 48))
     assert not x.is_contiguous() and not r.is_contiguous()
     hidden = x.shape[-1]
-    assert _check(x, r, randn(hidden))
-    assert _check(randn(*x.shape), r, non_contiguous(randn(hidden)))  # one strided, one dense
+    assert check_op("add_rms_norm", x, r, randn(hidden))
+    assert check_op("add_rms_norm", randn(*x.shape), r, non_contiguous(randn(hidden)))  # one strided, one dense
 
 
 def test_mixed_precision_promotes_like_rms_norm():
@@ -129,7 +102,7 @@ def test_mixed_precision_promotes_like_rms_norm():
     assert torch.equal(y, liger_lab.rms_norm(x + r, w))
     y, s = liger_lab.add_rms_norm(x, r, w.half(), casting_mode="gemma")
     assert (y.dtype, s.dtype) == (torch.float16, torch.float16)
-    assert _check(x, r, w, tol=5e-3)  # fp16 inputs: every result carries their rounding
+    assert check_op("add_rms_norm", x, r, w, tol=5e-3)  # fp16 inputs: every result carries their rounding
 
 
 def test_inputs_and_upstream_gradients_are_never_modified():
@@ -218,7 +191,7 @@ def test_bad_input_is_a_value_error(x, r, w, kwargs, message):
 def test_bf16_on_gpu(shape, casting_mode, offset):
     x, r = randn(*shape, dtype=torch.bfloat16), randn(*shape, dtype=torch.bfloat16, scale=4.0)
     w = (1 + 0.1 * randn(shape[-1])).to(torch.bfloat16)
-    assert _check(x, r, w, casting_mode=casting_mode, offset=offset)
+    assert check_op("add_rms_norm", x, r, w, casting_mode=casting_mode, offset=offset)
     y, s = liger_lab.add_rms_norm(x, r, w, casting_mode=casting_mode, offset=offset)
     assert torch.equal(s, x + r)
     assert torch.equal(y, liger_lab.rms_norm(s, w, casting_mode=casting_mode, offset=offset))

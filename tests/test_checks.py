@@ -1,6 +1,18 @@
-import torch
+import linecache
+import traceback
 
-from liger_lab import checks
+import pytest
+import torch
+import triton
+import triton.language as tl
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+
+import liger_lab
+from liger_lab import runtime
+from liger_lab.workbook import checks, exercises
+
+interpreter_only = pytest.mark.skipif(not runtime.INTERPRET, reason="the access watch is the interpreter's")
 
 
 def test_check_close_reports_pass_fail_and_collects_the_error(capsys):
@@ -11,6 +23,14 @@ def test_check_close_reports_pass_fail_and_collects_the_error(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("PASS same") and out[1].startswith("FAIL off")
     assert errors[0] == 0.0 and abs(errors[1] - 3**0.5 / 3) < 1e-12
+
+
+def test_a_check_line_prints_the_tested_metric_beside_its_tolerance(capsys):
+    # The tolerance is on the relative L2 error; the largest absolute error is context, and says so.
+    expected = torch.tensor([100.0, 200.0], dtype=torch.float64)
+    checks.check_close("scaled", expected * (1 + 1e-6), expected, tol=1e-5)
+    line = capsys.readouterr().out.strip()
+    assert line == "PASS scaled  rel L2 1.0e-06 (tol 1e-05)  context: max |err| 2.0e-04"
 
 
 def test_check_against_reference_collects_output_and_gradient_errors():
@@ -55,3 +75,172 @@ def test_the_upstream_gradient_keeps_half_precision_gradients_normal():
         assert upstream.dtype == dtype
         assert upstream.abs().min() >= 1.25 and upstream.abs().max() <= 2.0
         assert (upstream > 0).any() and (upstream < 0).any()
+
+
+def test_the_old_module_paths_are_the_moved_modules():
+    import liger_lab.chapters
+    import liger_lab.checks
+    import liger_lab.diagrams
+    import liger_lab.exercises
+    from liger_lab.workbook import chapters, diagrams
+
+    assert liger_lab.checks is checks and liger_lab.exercises is exercises
+    assert liger_lab.chapters is chapters and liger_lab.diagrams is diagrams
+    assert liger_lab.checks.check_against_reference is checks.check_against_reference
+
+
+# --------------------------------------------------------------------------------------------------
+# Guarded exercise checks
+
+
+@triton.jit
+def _copy_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, MASK_LOAD: tl.constexpr, MASK_STORE: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask if MASK_LOAD else None)
+    tl.store(out_ptr + offsets, x, mask=mask if MASK_STORE else None)
+
+
+def _copy(x, out, mask_load=True, mask_store=True, block=8):
+    _copy_kernel[(triton.cdiv(x.numel(), block),)](
+        x, out, x.numel(), BLOCK=block, MASK_LOAD=mask_load, MASK_STORE=mask_store
+    )
+    return out
+
+
+def test_a_failed_check_inside_a_guard_stops_with_a_short_error(capsys):
+    with pytest.raises(checks.CheckFailed, match=r"^exercise 9\.1: `off` failed"):
+        with checks.guarded("exercise 9.1"):
+            checks.check_close("fine", torch.ones(3), torch.ones(3))
+            checks.check_close("off", torch.zeros(3), torch.ones(3))
+            checks.check_close("never reached", torch.ones(3), torch.ones(3))
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["PASS", "FAIL"]
+    # show_bug is meant to fail: it never stops, guarded or not.
+    with checks.guarded("exercise 9.1"):
+        assert checks.show_bug("buggy", torch.zeros(3), torch.ones(3))
+
+
+@interpreter_only
+def test_an_unmasked_load_is_reported_with_its_program_and_tensor(capsys):
+    with pytest.raises(checks.CheckFailed):
+        with checks.guarded("exercise 9.2") as guard:
+            x = guard.band(torch.randn(21), "x")
+            checks.check_close("copy", _copy(x, torch.empty(21), mask_load=False), x)
+    line = capsys.readouterr().out.strip()
+    assert line == "FAIL copy  out of bounds: program 2 read 3 elements past the end of `x`"
+
+
+@interpreter_only
+def test_an_unmasked_store_is_reported_and_never_reaches_memory(capsys):
+    storage = torch.full((40,), -1.0)
+    out = storage[:21]  # the store's last 3 lanes would land on storage[21:24]
+    with pytest.raises(checks.CheckFailed):
+        with checks.guarded("exercise 9.3"):
+            _copy(torch.randn(21), out, mask_store=False)
+    assert "program 2 wrote 3 elements past the end of `out`" in capsys.readouterr().out
+    assert (storage[21:] == -1).all()
+
+
+@interpreter_only
+def test_a_strided_view_reports_accesses_between_its_elements(capsys):
+    x = torch.randn(4, 8)[:, :5]  # rows of 5 in a stride of 8: 3 columns of each row are not x's
+    with checks.guarded("exercise 9.4", bug=True):
+        _copy_kernel[(1,)](x, torch.empty(32), 32, BLOCK=32, MASK_LOAD=False, MASK_STORE=True)
+    out = capsys.readouterr().out
+    assert out.startswith("BUG SHOWN exercise 9.4  out of bounds: ")
+    assert "program 0 read 9 elements between the elements of `x`" in out
+    assert "program 0 read 3 elements past the end of `x`" in out
+
+
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64) if WIDE else tl.program_id(0)
+    offsets = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, 2 * tl.load(x_ptr + offsets, mask=mask), mask=mask)
+
+
+@interpreter_only
+@pytest.mark.parametrize("wide", [True, False])
+def test_the_tail_of_a_launch_past_2_31_catches_32_bit_offsets(wide, capsys):
+    x, out = torch.randn(20), torch.zeros(20)
+    with checks.guarded("exercise 9.5", bug=True) as guard:
+        with guard.tail(2**31, 8):
+            _scale_kernel[(3,)](x, out, 2**31 + 20, BLOCK=8, WIDE=wide)
+    printed = capsys.readouterr().out
+    if wide:
+        assert torch.equal(out, 2 * x) and printed.startswith("BUG HIDDEN")
+    else:
+        assert (out == 0).all()
+        assert printed.startswith(
+            "BUG SHOWN exercise 9.5  out of bounds: program 268435456 read 8 elements far outside"
+        )
+
+
+def test_a_guard_band_catches_a_write_past_the_end(capsys):
+    # What the bands alone show (on a GPU the kernels' accesses are not watched): a write outside the tensor.
+    with pytest.raises(checks.CheckFailed):
+        with checks.guarded("exercise 9.6") as guard:
+            out = guard.band(torch.zeros(5), "out")
+            assert torch.isnan(out.as_strided((2,), (1,), out.storage_offset() + 5)).all()  # the band
+            out.as_strided((2,), (1,), out.storage_offset() + 5).fill_(1.0)
+            checks.check_close("zeros", out, torch.zeros(5))
+    assert capsys.readouterr().out.strip() == "FAIL zeros  out of bounds: wrote 2 elements past the end of `out`"
+
+
+def test_inside_a_guard_check_against_reference_runs_on_banded_inputs():
+    def square(x):
+        beyond = x.detach().as_strided((1,), (1,), x.storage_offset() + x.numel())
+        assert torch.isnan(beyond).all(), "the element after x is not a guard band"
+        return x * x  # saves x for the backward: the guard's checks between forward and backward must not write
+
+    with checks.guarded("exercise 9.7"):
+        assert checks.check_against_reference("square", square, lambda x: x * x, [torch.randn(6)])
+
+
+@pytest.fixture
+def ipython():
+    config = Config()
+    config.HistoryManager.enabled = False  # no history database written by the test
+    yield InteractiveShell.instance(config=config)
+    InteractiveShell.clear_instance()
+
+
+def test_exercise_errors_show_one_line_in_jupyter_and_a_traceback_elsewhere(ipython, capsys):
+    ipython.run_cell('from liger_lab.workbook.exercises import todo\ntodo("9.8", "write it")')
+    ipython.run_cell('from liger_lab.workbook.checks import CheckFailed\nraise CheckFailed("exercise 9.8: `x` failed")')
+    shown = capsys.readouterr().out.strip().splitlines()
+    assert shown == ["ExerciseNotDone: Exercise 9.8 is not done yet: write it", "CheckFailed: exercise 9.8: `x` failed"]
+    try:
+        exercises.todo("9.8", "write it")
+    except exercises.ExerciseNotDone as error:
+        plain = "".join(traceback.format_exception(error))
+    assert plain.startswith("Traceback (most recent call last):") and "in todo" in plain
+
+
+def test_a_todo_left_above_written_code_says_which_line_to_delete():
+    source = (
+        "def solve():\n"
+        "    # EXERCISE 9.9: return one\n"
+        '    liger_lab.exercises.todo("9.9", "return one")\n'
+        "    return 1\n"
+        "    # END EXERCISE 9.9\n"
+    )
+    namespace = {"liger_lab": liger_lab}
+    exec(compile(source, "<cell 9.9>", "exec"), namespace)
+    # Where Jupyter keeps a cell's source for tracebacks (and todo finds it).
+    linecache.cache["<cell 9.9>"] = (len(source), None, source.splitlines(keepends=True), "<cell 9.9>")
+    with pytest.raises(exercises.ExerciseNotDone, match=r"still in `solve`: delete line 3 of its cell, `liger_lab"):
+        namespace["solve"]()
+
+
+def test_a_kernel_marker_left_in_written_code_says_which_line_to_delete():
+    @exercises.jit("9.9", "write the body")
+    def written(x_ptr):
+        # EXERCISE 9.9: write the body
+        pass  # your code here
+        tl.store(x_ptr, 1.0)
+        # END EXERCISE 9.9
+
+    with pytest.raises(exercises.ExerciseNotDone, match=r"still in `written`: delete line \d+ of its cell, `pass  #"):
+        written[(1,)](torch.zeros(1, device=runtime.DEVICE))

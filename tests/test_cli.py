@@ -1,5 +1,4 @@
 import dataclasses
-import importlib.util
 import json
 import math
 import socket
@@ -159,15 +158,9 @@ def test_exercises_regenerates_chapters(tmp_path, monkeypatch):
     assert "y = x + 1" not in source and "EXERCISE 1.1: add one" in source
 
 
-def _benchmark_script():
-    spec = importlib.util.spec_from_file_location("benchmarks_run", ROOT / "benchmarks" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_benchmark_script_runs_at_tiny_sizes(tmp_path):
-    script = _benchmark_script()
+    from benchmarks import run as script
+
     assert script.main(["--op", "rms_norm", "--out", str(tmp_path), "--name", "t"]) == 0
     rows = json.loads((tmp_path / "t.json").read_text())
     assert {"ceiling_copy", "ceiling_matmul_bf16", "rms_norm"} == {row["op"] for row in rows}
@@ -274,25 +267,6 @@ def test_patch_reports_without_the_dry_run_flag():
     result = CliRunner().invoke(cli.main, ["patch", "llama"])
     assert result.exit_code == 0, result.output
     assert "fused      RMSNorm" in result.output
-
-
-def test_benchmark_modes_each_run_in_a_child_process_of_their_own(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    per_mode = importlib.import_module("per_mode")
-    script = tmp_path / "child.py"
-    script.write_text(
-        "import json, sys\n"
-        "mode = sys.argv[sys.argv.index('--child') + 1]\n"
-        "if mode == 'broken':\n    sys.exit('no row for this mode')\n"
-        "print('a line that is not a row')\n"
-        "print(json.dumps({'mode': mode, 'batch': int(sys.argv[sys.argv.index('--batch') + 1])}))\n"
-    )
-    args = per_mode.parse_arguments("demo", "fine,broken", ["--batch", "3"])
-    rows = list(per_mode.rows_of_children(str(script), args, label="mode"))
-    assert rows[0] == {"mode": "fine", "batch": 3}
-    assert rows[1]["mode"] == "broken" and "no row for this mode" in rows[1]["error"]
-    per_mode.write_rows(rows, str(tmp_path / "rows.json"))
-    assert json.loads((tmp_path / "rows.json").read_text()) == rows
 
 
 def test_patch_dry_run_reports_a_family():

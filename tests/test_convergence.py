@@ -13,7 +13,7 @@ import torch
 from test_patching import tiny_model
 
 import liger_lab
-from liger_lab import patching, runtime
+from liger_lab import hf, runtime
 
 STEPS = 20
 
@@ -65,11 +65,11 @@ STEPWISE_SEED_DEPENDENT = {"gpt_oss", "llama4_text", "qwen3_5_text"}
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("model_type", sorted(patching.FAMILIES))
+@pytest.mark.parametrize("model_type", sorted(hf.FAMILIES))
 @pytest.mark.parametrize("mode", ["bf16_weights", "autocast"])
 def test_bf16_loss_curves_match(model_type, mode):
     dtype = torch.bfloat16 if mode == "bf16_weights" else torch.float32
-    if patching.FAMILIES[model_type].experts or model_type in STEPWISE_SEED_DEPENDENT:
+    if hf.FAMILIES[model_type].experts or model_type in STEPWISE_SEED_DEPENDENT:
         assert_moe_tracks_fp32_as_well(model_type, dtype=dtype, autocast=mode == "autocast")
         return
     ours, theirs = loss_curves(model_type, dtype=dtype, autocast=mode == "autocast", steps=50)

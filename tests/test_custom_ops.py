@@ -3,11 +3,9 @@ breaks (fullgraph=True), with the same outputs and gradients as eager, in its de
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import OpCalls
 
 from liger_lab import runtime
 from liger_lab.ops.table import OPS, OpSpec
@@ -41,32 +39,15 @@ def _loss(outputs: object) -> torch.Tensor:
     return sum((out.float() * weight).sum() for out, weight in zip(outputs, weights, strict=True))
 
 
-class _Recorder(TorchDispatchMode):
-    """Every liger_lab:: operator call below autograd, with a copy of its arguments taken before the call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[object, tuple, dict]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "liger_lab":
-            clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else copy.copy(v)  # noqa: E731
-            self.calls.append((func, tuple(map(clone, args)), {k: clone(v) for k, v in kwargs.items()}))
-        return func(*args, **kwargs)
-
-
 @pytest.mark.parametrize("name,label", CASES, ids=IDS)
 def test_every_operator_behind_the_op_passes_opcheck(name, label):
     spec = OPS[name]
     inputs = _inputs(spec)
-    with _Recorder() as recorder:
+    with OpCalls(keep_args=True) as calls:
         _loss(spec.call(**_options(spec, label))(*inputs)).backward()
-    called = {func._name.split("::")[1] for func, _, _ in recorder.calls}
-    assert called and called <= set(spec.operators), (called, spec.operators)
-    forward = f"liger_lab::{spec.operators[0]}"
-    for func, args, kwargs in recorder.calls:
-        if func._schema.name == forward and spec.registered_autograd:  # opcheck tests the formula too
+    assert calls.ran() and calls.ran() <= set(spec.operators), (calls.ran(), spec.operators)
+    for name, func, args, kwargs in calls.recorded:
+        if name == spec.operators[0] and spec.registered_autograd:  # opcheck tests the formula too
             args = tuple(
                 a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
             )

@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from liger_lab import diagrams  # noqa: E402
+from liger_lab.ops import rope  # noqa: E402
+from liger_lab.workbook import diagrams  # noqa: E402
 
 
 def _check_draws(fig: Figure) -> None:
@@ -68,3 +69,13 @@ def test_memory_timeline_draws_events():
 def test_a_diagram_shows_itself_as_png_in_a_notebook():
     png = diagrams.program_grid()._repr_png_()
     assert png.startswith(b"\x89PNG")
+
+
+def test_the_rope_figure_draws_the_kernels_own_tiling():
+    # Rows in memory order, rows_per_program a program, q's programs before k's; the caption quotes rope_tile.
+    fig = diagrams.rope_rotate_half(head_dim=8, rows_per_program=3)
+    texts = [t.get_text() for t in fig.axes[1].texts]
+    assert [t for t in texts if t.startswith("pid ")] == [f"pid {p}" for p in (0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 4)]
+    tile = rope.rope_tile(128)
+    assert any(f"BLOCK_R = {tile.block_r} rows of BLOCK_D = {tile.block_d} pairs" in t for t in texts)
+    _check_draws(fig)

@@ -78,12 +78,12 @@ def test_fsdp2_loss_curve_follows_one_gpu(gpu_report):
 @on_cpu
 def test_a_head_the_fused_loss_cannot_take_is_reported():
     """A fallback to materialised logits warns, once per model class and reason, with the reason."""
-    from liger_lab import patching
+    from liger_lab.hf import loss as hf_loss
 
     model = distributed.tiny_llama()
     model.lm_head = torch.nn.Sequential(model.lm_head)  # e.g. an adapter around the head
     input_ids, labels = distributed.llama_batch()
-    patching._REPORTED_FALLBACKS.clear()
+    hf_loss._REPORTED_FALLBACKS.clear()
     with pytest.warns(UserWarning, match="materialises the logits.*lm_head is a Sequential"):
         model(input_ids=input_ids, labels=labels).loss.backward()
     with warnings.catch_warnings(record=True) as caught:

@@ -7,7 +7,8 @@ import torch
 from click.testing import CliRunner
 
 import liger_lab
-from liger_lab import cli, e2e, patching, runtime
+from liger_lab import cli, e2e, runtime
+from liger_lab.hf import loss as hf_loss
 from liger_lab.ops import rms_norm as rms_norm_ops
 
 transformers = pytest.importorskip("transformers")
@@ -51,7 +52,7 @@ def test_a_local_model_directory_end_to_end(tmp_path):
     assert data["ok"] is True and data["weights"].startswith("weights from")
     # The weights were loaded: the first loss is the saved model's on the doctor's batch.
     saved = transformers.AutoModelForCausalLM.from_pretrained(model).to(runtime.DEVICE)
-    tokens = e2e._batch(saved.config, 1, 8, doctor.SEED)
+    tokens = e2e.random_batch(saved.config, 1, 8, doctor.SEED)
     assert data["unpatched"]["losses"][0] == round(saved(input_ids=tokens, labels=tokens).loss.item(), 5)
 
     profile = data["profile"]
@@ -91,12 +92,12 @@ def test_a_family_with_a_fallback_shows_it(tmp_path):
 
 
 def test_a_fallback_warned_earlier_in_the_process_is_seen_again():
-    patching._REPORTED_FALLBACKS.add(("LlamaForCausalLM", "a reason"))
+    hf_loss._REPORTED_FALLBACKS.add(("LlamaForCausalLM", "a reason"))
     found: list[str] = []
     with doctor._fallbacks_seen(found):
-        patching._report_fallback("LlamaForCausalLM", "a reason")
+        hf_loss._report_fallback("LlamaForCausalLM", "a reason")
     assert found == ["liger_lab: LlamaForCausalLM's loss materialises the logits, the fused loss cannot run: a reason"]
-    assert ("LlamaForCausalLM", "a reason") in patching._REPORTED_FALLBACKS
+    assert ("LlamaForCausalLM", "a reason") in hf_loss._REPORTED_FALLBACKS
 
 
 def test_a_broken_kernel_fails_its_check_and_the_verdict(tmp_path, monkeypatch):

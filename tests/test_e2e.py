@@ -1,22 +1,19 @@
-import importlib.util
 import json
 import math
 import re
 import sys
 import time
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 import liger_lab
-from liger_lab import e2e, patching, runtime
+from liger_lab import e2e, hf, runtime
 
 transformers = pytest.importorskip("transformers")
 
 GIB = 2**30
-ROOT = Path(__file__).resolve().parents[1]
 TINY_PRESETS = ("tiny", "tiny-qwen3", "tiny-gemma3")
 needs_patch = pytest.mark.skipif(not hasattr(liger_lab, "patch"), reason="liger_lab.patch is not in this install")
 
@@ -66,9 +63,15 @@ def test_gemma_presets_soft_cap_their_logits_and_slide_their_window():
     assert tiny.sliding_window < 16  # shorter than the CPU tests' sequences: the sliding mask is exercised
 
 
-def test_every_family_is_one_liger_lab_patches():
-    assert set(e2e.MODEL_FAMILIES) <= set(patching.FAMILIES)
-    assert {preset.family for preset in e2e.MODEL_SIZES.values()} == set(e2e.MODEL_FAMILIES)
+def test_every_family_is_one_of_the_family_table_and_names_its_classes_from_it():
+    # One family table: the benchmark keys its own columns by the table's model types, and takes the causal LM
+    # class from the table.
+    assert set(e2e.BENCHMARK_FAMILIES) <= set(hf.FAMILIES)
+    assert all(key == family.model_type for key, family in e2e.BENCHMARK_FAMILIES.items())
+    assert {preset.family for preset in e2e.MODEL_SIZES.values()} == set(e2e.BENCHMARK_FAMILIES)
+    for model_type, family in e2e.BENCHMARK_FAMILIES.items():
+        assert family.model_class == hf.FAMILIES[model_type].name("ForCausalLM")
+        assert hasattr(transformers, family.model_class)
     for name in TINY_PRESETS:
         assert e2e.model_config(name).vocab_size <= 1000
 
@@ -191,21 +194,19 @@ def test_out_of_memory_is_reported_not_raised(tiny, monkeypatch):
     def out_of_memory(*args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.83 GiB")
 
-    monkeypatch.setattr(e2e, "_step", out_of_memory)
+    monkeypatch.setattr(e2e.training, "train_step", out_of_memory)
     row = e2e.train("hf", tiny, 16, 4096, steps=1, warmup=0)
     assert row["oom"] is True and "tokens_per_s" not in row
     assert (row["impl"], row["batch"], row["seq"]) == ("hf", 16, 4096)
 
 
 def test_largest_fit_stops_at_the_first_size_out_of_memory(tiny, monkeypatch):
-    step = e2e._step
-
     def limited(model, optimizer, tokens):
         if tokens.numel() > 64:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        return step(model, optimizer, tokens)
+        return e2e.train_step(model, optimizer, tokens)
 
-    monkeypatch.setattr(e2e, "_step", limited)
+    monkeypatch.setattr(e2e.training, "train_step", limited)
     fit = e2e.largest_fit("hf", tiny, [(4, 32), (1, 16), (2, 32), (1, 32)])
     assert [(f["batch"], f["seq"]) for f in fit["fits"]] == [(1, 16), (1, 32), (2, 32)]
     assert fit["largest"] == [2, 32] and fit["oom_at"] == [4, 32]
@@ -304,6 +305,54 @@ def test_child_still_running_after_its_timeout_is_killed_and_reported():
     row = e2e.child_row([sys.executable, "-c", "import time; time.sleep(60)"], {"impl": "hf"}, timeout_s=0.5)
     assert row["timeout"] is True and row["impl"] == "hf" and "0.5 s" in row["error"]
     assert time.perf_counter() - start < 30
+
+
+def test_child_row_is_the_last_json_line_and_a_failure_says_why(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import json, sys\n"
+        "if sys.argv[1] == 'broken':\n    sys.exit('no row for this mode')\n"
+        "print('a line that is not a row')\n"
+        "print(json.dumps({'mode': sys.argv[1], 'batch': 3}))\n"
+    )
+    assert e2e.child_row([sys.executable, str(script), "fine"], {"mode": "fine"}) == {"mode": "fine", "batch": 3}
+    broken = e2e.child_row([sys.executable, str(script), "broken"], {"mode": "broken"})
+    assert broken["mode"] == "broken" and "no row for this mode" in broken["error"]
+
+
+def test_a_child_with_no_time_left_is_not_started(monkeypatch):
+    monkeypatch.setattr(e2e.isolation.subprocess, "run", lambda *a, **k: pytest.fail("must not start a child"))
+    row = e2e.run_isolated("fit", mode="hf", model="tiny", shapes=[(1, 16)], timeout_s=0)
+    assert row == {"op": "e2e_fit", "impl": "hf", "model": "tiny", "shapes": [[1, 16]],
+                   "error": "not run: no time left", "skipped": True}  # fmt: skip
+
+
+def test_failed_rows_take_the_run_environment_from_the_rows_that_ran():
+    rows = [{"impl": "hf", "error": "boom"}, {"impl": "liger_lab", "gpu": "NVIDIA H200", "torch": "2.11", "x": 1}]
+    assert e2e.environment_of(rows) == {"gpu": "NVIDIA H200", "torch": "2.11", "timer": e2e.timer_label()}
+    assert e2e.environment_of(rows[:1]) == {"timer": e2e.timer_label()}  # nothing ran: the parent asks no GPU
+
+
+def test_kernel_times_add_up_by_kind_and_bound_what_fused_kernels_can_gain():
+    kernels = {"sm90_xmma_gemm_bf16": 60.0, "flash_fwd_kernel": 10.0, "multi_tensor_apply_kernel": 5.0,
+               "_rms_norm_backward_kernel": 8.0, "_swiglu_forward": 2.0, "Memcpy DtoD (Device -> Device)": 1.0,
+               "void at::native::vectorized_elementwise_kernel": 4.0}  # fmt: skip
+    assert [e2e.kernel_category(name) for name in kernels] == [
+        "matmul", "attention", "optimizer", "fused (Triton)", "fused (Triton)", "copies", "other PyTorch"
+    ]  # fmt: skip
+    summary = e2e.kernels_by_category(kernels)
+    assert summary["kernel_ms"] == 90.0 and list(summary["by_category_ms"])[0] == "matmul"
+    assert summary["fused_kernels_ms"] == {"_rms_norm_backward_kernel": 8.0, "_swiglu_forward": 2.0}
+    assert summary["bound_if_fused_took_zero"] == round(90 / 80, 4)
+
+
+def test_profile_task_says_it_needs_a_gpu_on_cpu(tiny, capsys):
+    if not runtime.INTERPRET:
+        pytest.skip("on the GPU the step is profiled (benchmarks/profile_e2e.py)")
+    e2e.main(["profile", "--mode", "hf", "--model", "tiny", "--batch", "1", "--seq", "8"])
+    row = json.loads(capsys.readouterr().out)
+    assert row == {"op": "e2e_profile", "impl": "hf", "batch": 1, "seq": 8, "note": "kernel profiles need a CUDA GPU",
+                   "model": "tiny"}  # fmt: skip
 
 
 @needs_patch
@@ -465,21 +514,29 @@ def test_liger_lab_compile_trains_like_eager_liger_lab():
 
 
 # --------------------------------------------------------------------------------------------------
-# benchmarks/e2e_vocab.py: each mode against Liger-Kernel on three vocabularies
+# liger-lab bench e2e over presets: each mode against a reference mode (Liger-Kernel) on three vocabularies
 
 
-def _vocab_script():
-    spec = importlib.util.spec_from_file_location("e2e_vocab", ROOT / "benchmarks" / "e2e_vocab.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _bench_e2e(*args: str):
+    from click.testing import CliRunner
+
+    from liger_lab import cli
+
+    return CliRunner().invoke(cli.main, ["bench", "e2e", *args])
 
 
 def _target_line(out: str, target: str) -> str:
     return next(line for line in out.splitlines() if line.strip().startswith(target))
 
 
-def test_vocab_benchmark_compares_each_preset_with_liger_kernel(tmp_path, monkeypatch, capsys):
+def test_bench_e2e_offers_every_preset():
+    from liger_lab import cli
+
+    models = next(p for p in cli.bench_e2e.params if p.name == "models")
+    assert list(models.type.choices) == sorted(e2e.MODEL_SIZES) and models.multiple
+
+
+def test_bench_e2e_sets_each_preset_against_a_reference_mode(tmp_path, monkeypatch):
     # Children stand in for GPU runs: (tokens/s, peak GiB, largest batch at 4096) per mode; Liger-Kernel fails
     # on the Gemma preset.
     measured = {"hf": (40000.0, 62.6, 2), "liger": (66800.0, 27.8, 16), "liger_lab": (68000.0, 27.8, 12)}
@@ -488,65 +545,73 @@ def test_vocab_benchmark_compares_each_preset_with_liger_kernel(tmp_path, monkey
     def run_isolated(task, *, mode, model, timeout_s, shapes=(), **sizes):
         calls.append((model, mode, task, timeout_s))
         if mode == "liger" and model == "gemma3-1.5b":
-            return {"op": f"e2e_{task}", "impl": mode, "batch": 8, "seq": 2048, "error": "ImportError: no module"}
+            return {"op": "e2e", "impl": mode, "model": model, "batch": 8, "seq": 2048, "error": "ImportError: no mod"}
         speed, peak, largest = measured[mode]
         if task == "fit":
             fits = [{"batch": b, "seq": t, "peak_gib": 100.0} for b, t in shapes if b <= largest]
             oom = next([b, t] for b, t in shapes if b > largest)
-            return {"op": "e2e_fit", "impl": mode, "fits": fits, "oom_at": oom, "largest": [largest, 4096]}
+            return {"op": "e2e_fit", "impl": mode, "model": model, "fits": fits, "oom_at": oom,
+                    "largest": [largest, 4096]}  # fmt: skip
         losses = [12.16, 12.0, 11.8]
-        return {"op": "e2e", "impl": mode, "warmup": 0, "tokens_per_s": speed, "peak_gib": peak, "losses": losses,
-                "loss0": losses[0], "loss_last": losses[-1], "gpu": "NVIDIA H200", **sizes}  # fmt: skip
+        return {"op": "e2e", "impl": mode, "model": model, "batch": sizes["batch"], "seq": sizes["seq"], "warmup": 0,
+                "tokens_per_s": speed, "peak_gib": peak, "losses": losses, "loss0": losses[0], "loss_last": losses[-1],
+                "gpu": "NVIDIA H200"}  # fmt: skip
 
-    script = _vocab_script()
-    monkeypatch.setattr(script.e2e, "run_isolated", run_isolated)
+    monkeypatch.setattr(e2e, "run_isolated", run_isolated)
+    monkeypatch.setattr(e2e, "available_modes", lambda: list(e2e.MODES))
     json_path = tmp_path / "vocab.json"
-    status = script.main(["--presets", "1.5b,gemma3-1.5b", "--timeout-s", "120", "--json", str(json_path)])
-    out = capsys.readouterr().out
-    assert status == 1  # Liger-Kernel failed
-    assert [c[:3] for c in calls[:2]] == [("1.5b", "hf", "train"), ("1.5b", "hf", "fit")] and len(calls) == 12
-    assert all(c[3] == 120 for c in calls)
+    fit = ",".join(f"{b}x4096" for b in (1, 2, 4, 8, 12, 16, 24, 32))
+    result = _bench_e2e("--model", "1.5b", "--model", "gemma3-1.5b", "--mode", "hf", "--mode", "liger", "--mode",
+                        "liger_lab", "--batch", "8", "--seq", "2048", "--fit", fit, "--reference", "liger",
+                        "--timeout-s", "120", "--json", str(json_path))  # fmt: skip
+    out = result.output
+    assert result.exit_code == 1, out  # Liger-Kernel failed
+    assert [c[:3] for c in calls[:4]] == [("1.5b", m, "train") for m in ("hf", "liger", "liger_lab")] + [
+        ("1.5b", "hf", "fit")
+    ]  # fmt: skip
+    assert len(calls) == 12 and all(c[3] == 120 for c in calls)
     rows = json.loads(json_path.read_text())
-    assert len(rows) == 12 and all(r["gpu"] == "NVIDIA H200" and r["timer"] and "child_s" in r for r in rows)
-    fit = next(r for r in rows if r["task"] == "fit")
-    assert fit["seq"] == 4096 and fit["batches"] == [1, 2, 4, 8, 12, 16, 24, 32] and "batch" not in fit
-    assert "12 processes, each killed after --timeout-s 120" in out and "12/12 done" in out
-    llama, gemma = out.split("\ngemma3-1.5b: ")
-    assert "1.5b: llama, 1,498,482,688 parameters, vocabulary 128256" in llama
+    # Every row names the GPU (a failed one takes it from those that ran), the clock and the commit.
+    assert len(rows) == 12 and all(r["gpu"] == "NVIDIA H200" and r["timer"] and "commit" in r for r in rows)
+    llama, gemma = out.split("\nmodel gemma3-1.5b: ")
+    assert "model 1.5b: llama, 1,498,482,688 parameters, 16 layers, vocabulary 128256" in llama
     assert re.search(r"liger_lab\s+68000\s+1\.02x\s+27\.8\s+1\.00x\s+12\s+0\.75x", llama)
+    assert "largest fit liger_lab         12x4096 trains, peak 100.0 GiB (first out of memory: 16x4096)" in llama
     assert " met " in _target_line(llama, "peak GiB <= liger") and " met " in _target_line(llama, "tokens/s >=")
     assert "MISSED   12.0 against 16.0" in _target_line(llama, "largest batch >= liger")
     assert "losses liger_lab vs hf at 8x2048: agree" in llama
-    assert "gemma3_text, 1,543,645,184 parameters, vocabulary 262144" in gemma
+    assert "gemma3_text, 1,543,645,184 parameters" in gemma
     assert all(" n/a " in _target_line(gemma, t) for t in ("peak GiB", "tokens/s", "largest batch"))
-    assert "error: ImportError: no module" in out
+    assert "error: ImportError: no mod" in gemma
 
 
-def test_vocab_benchmark_runs_nothing_past_its_budget(tmp_path, monkeypatch, capsys):
-    script = _vocab_script()
-    monkeypatch.setattr(script.e2e, "run_isolated", lambda *a, **k: pytest.fail("must not start a child"))
-    json_path = tmp_path / "vocab.json"
-    assert script.main(["--presets", "tiny", "--modes", "hf", "--budget-s", "0", "--json", str(json_path)]) == 1
+def test_bench_e2e_starts_nothing_past_its_budget(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e.isolation.subprocess, "run", lambda *a, **k: pytest.fail("must not start a child"))
+    json_path = tmp_path / "e2e.json"
+    result = _bench_e2e("--model", "tiny", "--mode", "hf", "--fit", "1x16", "--budget-s", "0", "--json", str(json_path))
+    assert result.exit_code == 1, result.output
     rows = json.loads(json_path.read_text())
-    assert [(r["task"], r["skipped"]) for r in rows] == [("train", True), ("fit", True)]
-    assert "not run: --budget-s spent" in capsys.readouterr().out
+    assert [(r["op"], r["skipped"]) for r in rows] == [("e2e", True), ("e2e_fit", True)]
+    assert "not run: no time left" in result.output
+
+
+def test_bench_e2e_reference_must_be_a_mode_of_the_run():
+    result = _bench_e2e("--model", "tiny", "--mode", "hf", "--reference", "liger")
+    assert result.exit_code == 2 and "add --mode liger" in result.output
 
 
 @pytest.mark.slow
 @needs_patch
-def test_vocab_benchmark_trains_a_tiny_preset_per_mode_here(tmp_path, capsys):
-    script = _vocab_script()
+def test_bench_e2e_trains_a_tiny_preset_per_mode_against_a_reference_here(tmp_path):
     json_path = tmp_path / "vocab.json"
-    args = ["--presets", "tiny-gemma3", "--modes", "hf,liger_lab", "--batch", "1", "--seq", "16", "--steps", "1",
-            "--warmup", "1", "--fit-seq", "16", "--fit-batches", "1,2", "--reference", "hf",
-            "--json", str(json_path)]  # fmt: skip
-    status = script.main(args)
-    out = capsys.readouterr().out
-    assert status == 0, out
+    result = _bench_e2e("--model", "tiny-gemma3", "--mode", "hf", "--mode", "liger_lab", "--batch", "1", "--seq", "16",
+                        "--steps", "1", "--warmup", "1", "--fit", "1x16,2x16", "--reference", "hf",
+                        "--json", str(json_path))  # fmt: skip
+    assert result.exit_code == 0, result.output
     rows = json.loads(json_path.read_text())
-    assert [(r["impl"], r["task"]) for r in rows] == [("hf", "train"), ("hf", "fit"), ("liger_lab", "train"),
-                                                      ("liger_lab", "fit")]  # fmt: skip
+    assert [(r["impl"], r["op"]) for r in rows] == [("hf", "e2e"), ("liger_lab", "e2e"), ("hf", "e2e_fit"),
+                                                    ("liger_lab", "e2e_fit")]  # fmt: skip
     assert all(r["model"] == "tiny-gemma3" and r["family"] == "gemma3_text" and r["transformers"] for r in rows)
-    assert all(r["largest"] == [2, 16] for r in rows if r["task"] == "fit")
-    assert "losses liger_lab vs hf at 1x16: agree" in out
-    assert " met " in _target_line(out, "largest batch >= hf")
+    assert all(r["largest"] == [2, 16] for r in rows if r["op"] == "e2e_fit")
+    assert "losses liger_lab vs hf at 1x16: agree" in result.output
+    assert " met " in _target_line(result.output, "largest batch >= hf")

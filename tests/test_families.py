@@ -21,8 +21,9 @@ from test_patching import (  # noqa: F401  (fused_calls: a fixture)
 )
 
 import liger_lab
-from liger_lab import patching, runtime
+from liger_lab import hf, runtime
 from liger_lab.checks import relative_l2_error
+from liger_lab.hf.families import _modeling
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,7 +71,7 @@ def test_greedy_generation_with_the_cache_matches_transformers(model_type):
 
 
 def test_patch_report_says_what_each_new_family_fuses_and_leaves_alone():
-    assert set(REPORTS) == set(NEW_FAMILIES) and set(NEW_FAMILIES) <= set(patching.FAMILIES)
+    assert set(REPORTS) == set(NEW_FAMILIES) and set(NEW_FAMILIES) <= set(hf.FAMILIES)
     for model_type, (replaced, left_alone) in REPORTS.items():
         report = liger_lab.patch_report(liger_lab.patch(tiny_model(model_type)))
         assert set(report.replaced) == replaced, model_type
@@ -80,7 +81,7 @@ def test_patch_report_says_what_each_new_family_fuses_and_leaves_alone():
 def test_gemma4_patched_by_model_type():
     """Patching the family swaps Gemma4RMSNorm and Gemma4ForCausalLM beside the Gemma4Text... classes; its norms
     without a weight (v_norm, the router's) are of the fused class then, and run transformers' forward."""
-    modeling = patching._modeling("gemma4_text")
+    modeling = _modeling("gemma4_text")
     names = ("Gemma4RMSNorm", "Gemma4TextMLP", "Gemma4TextExperts")
     originals = {name: getattr(modeling, name) for name in names}
     forward = modeling.Gemma4ForCausalLM.forward

@@ -265,6 +265,19 @@ def test_module_takes_liger_argument_order():
     assert torch.equal(intermediate.detach(), hidden.grad)  # the gradient went over the intermediate
 
 
+def test_module_options_are_its_attributes_and_its_repr():
+    """The module holds the function's options, as attributes a trainer may change and as its repr lists them."""
+    hidden, weight, target = inputs()
+    module = FusedLinearCrossEntropyLoss(chunk_tokens=CHUNK)
+    assert repr(module) == (
+        "FusedLinearCrossEntropyLoss(ignore_index=-100, label_smoothing=0.0, reduction='mean', softcap=None, "
+        f"chunk_tokens={CHUNK}, accumulation=None, in_place_backward=False)"
+    )
+    module.reduction = "sum"
+    expected = liger_lab.fused_linear_cross_entropy(hidden, weight, target, reduction="sum", chunk_tokens=CHUNK)
+    assert torch.equal(module(weight, hidden, target), expected)
+
+
 @pytest.mark.parametrize(
     "make,kwargs,message",
     [

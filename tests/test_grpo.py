@@ -11,7 +11,7 @@ from helpers import LargestNewTensor, OpCalls, randn
 import liger_lab
 from liger_lab import reference, runtime
 from liger_lab.checks import check_against_reference
-from liger_lab.ops import grpo
+from liger_lab.ops import chunked, grpo
 
 B, T, H, V = 3, 7, 16, 40
 LOSS_TYPES = grpo.LOSS_TYPES
@@ -194,10 +194,13 @@ def test_reference_matches_trl():
 
 
 def _forward(hidden, weight, target, advantages, old, level, chunk):
-    """The operator's work for dapo with both gradients (what the autograd.Function's forward runs)."""
-    options = grpo.GRPOOptions("dapo", level, 0.0, 0.2, 0.2, None)
-    return grpo._forward(hidden, weight, target, advantages, old, None, None, options, 1.0, -100, None, None, chunk,
-                         "fp32", [True, True])  # fmt: skip
+    """The operator's work for dapo with both gradients (what the autograd.Function's forward runs), into outputs
+    allocated as the operator allocates them: called through the operator, a dispatch mode would see only it."""
+    options = grpo.GRPOOptions.checked("dapo", level, 0.0, 0.2, None, None)
+    args = (hidden, weight, target, advantages, old, None, None, *options.arguments(), 1.0, -100, None, None, chunk,
+            "fp32", [True, True, False])  # fmt: skip
+    loss = hidden.new_empty((), dtype=torch.float32)
+    grpo._forward(*args, loss, *(allocate(*args) for allocate in chunked.grad_outputs().values()))
 
 
 @pytest.mark.parametrize(
@@ -239,7 +242,7 @@ def test_operator_with_every_optional_tensor_passes_opcheck():
     hidden, weight, target, advantages, old, ref = inputs()
     num_items = torch.tensor(30.0, device=runtime.DEVICE)
     args = (hidden, weight, target, advantages, old, ref, num_items, "cispo", "sequence", 0.1, 0.2, 3.0, None, 0.9,
-            -100, None, None, None, "fp32", [True, True])  # fmt: skip
+            -100, None, None, None, "fp32", [True, True, False])  # fmt: skip
     tests = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.liger_lab.fused_linear_grpo, args, test_utils=tests)
 
@@ -294,6 +297,17 @@ def test_bad_input_is_a_value_error(change, message):
     with pytest.raises(ValueError, match=message):
         liger_lab.fused_linear_grpo(*positional, **args)
     assert all(torch.equal(given[k], before[k]) for k in given)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [({"loss_type": "sapo"}, "loss_type"), ({"epsilon_low": -0.1}, "epsilon_low"), ({"delta": 0.0}, "delta")],
+)
+def test_the_reference_checks_its_options_as_the_kernel_does(options, message):
+    """One check of the options for the kernel path and the float64 reference (GRPOOptions.checked)."""
+    hidden, weight, target, advantages, _, _ = inputs()
+    with pytest.raises(ValueError, match=message):
+        reference.fused_linear_grpo(hidden.double(), weight.double(), target, advantages, **options)
 
 
 # --------------------------------------------------------------------------------------------------

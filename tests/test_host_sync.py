@@ -1,6 +1,6 @@
-"""The fused losses never make the host wait for the GPU: their forward and backward read no value back (the kept
-count and the target range check stay on the device), so a training step runs ahead of the GPU and a CUDA graph
-can capture it.
+"""The losses never make the host wait for the GPU: their forward and backward read no value back (the kept count
+and the target range check stay on the device), so a training step runs ahead of the GPU and a CUDA graph can
+capture it.
 
 On CPU the interpreter's tensors are host memory, and there the target check reads its counts to raise a
 ValueError before any work (``runtime.HOST_READS_WAIT`` is false). The tests below switch that flag to the GPU's
@@ -12,8 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import randn
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import HostReads, randn
 
 import liger_lab
 from liger_lab import runtime
@@ -21,38 +20,6 @@ from liger_lab import runtime
 N, H, V = 24, 16, 96
 CHUNK = 10  # 24 tokens: chunks of 10, 10 and 4
 PAIRS, POSITIONS = 2, 5
-
-# Operators whose CUDA kernels copy a value to the host and wait for it.
-READS = {"aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::is_nonzero"}
-
-
-class HostReads(TorchDispatchMode):
-    """Every read of a tensor's value by the host: the reading operators (``.item()``, ``int(t)``, ``bool(t)``,
-    ``nonzero``...) and ``Tensor.tolist``, which is no operator. A dispatch mode sees a custom operator as one call
-    and runs it with the mode off, so a ``liger_lab::`` operator's kernel is run here under the mode again: the
-    reads inside it are counted too."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-        tolist = torch.Tensor.tolist
-
-        def counted_tolist(tensor: torch.Tensor) -> list:
-            self.calls.append("Tensor.tolist")
-            return tolist(tensor)
-
-        monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        if name in READS:
-            self.calls.append(name)
-        if func.namespace == "liger_lab":
-            key = runtime.DEVICE.type.upper()
-            with self:
-                return torch.library.get_kernel(func, key).call_boxed(torch._C.DispatchKeySet(key), *args, **kwargs)
-        return func(*args, **kwargs)
 
 
 def _targets(shape: tuple[int, ...], bad: bool) -> torch.Tensor:
@@ -103,7 +70,22 @@ def _preference(loss: str, bad: bool, dtype: torch.dtype = torch.float32) -> Cas
     return (lambda: function(*policy, target, *reference, chunk_pairs=1)), policy
 
 
+def _cross_entropy(bad: bool, dtype: torch.dtype = torch.float32, **options: object) -> Case:
+    logits, target = randn(N, V, dtype=dtype).requires_grad_(), _targets((N,), bad)
+    return (lambda: liger_lab.cross_entropy(logits * 1.0, target, **options)), [logits]
+
+
+def _jsd(bad: bool) -> Case:
+    student, teacher, target = randn(N, V).requires_grad_(), randn(N, V), _targets((N,), bad)
+    return (lambda: liger_lab.jsd(student, teacher, target)), [student]
+
+
 CASES: dict[str, Callable[[bool], Case]] = {
+    "ce-mean": _cross_entropy,
+    "ce-mean-fp16": lambda bad: _cross_entropy(bad, torch.float16),
+    "ce-none": lambda bad: _cross_entropy(bad, reduction="none"),
+    "ce-in-place": lambda bad: _cross_entropy(bad, in_place_backward=True),
+    "jsd": _jsd,
     "flce-mean": _flce,
     "flce-mean-fp16": lambda bad: _flce(bad, torch.float16),
     "flce-sum": lambda bad: _flce(bad, reduction="sum"),
@@ -116,7 +98,7 @@ CASES: dict[str, Callable[[bool], Case]] = {
     "orpo": lambda bad: _preference("orpo", bad),
     "simpo": lambda bad: _preference("simpo", bad),
 }
-RANGE_CHECKED = [case for case in CASES if not case.startswith("fljsd")]  # the JSD's target is only a mask
+RANGE_CHECKED = [case for case in CASES if "jsd" not in case]  # the JSD's target is only a mask
 
 
 def _step(run: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -141,7 +123,7 @@ def test_forward_and_backward_read_nothing_back(case, gpu_path, monkeypatch):
     assert all(leaf.grad is not None and torch.isfinite(leaf.grad).all() for leaf in leaves)
 
 
-@pytest.mark.parametrize("case", ["flce-mean", "orpo"])
+@pytest.mark.parametrize("case", ["ce-mean", "flce-mean", "orpo"])
 def test_the_counter_sees_the_interpreter_path_read_its_range_check(case, monkeypatch):
     """The control: where reading is free the range check reads its counts (inside the operator) to raise a
     ValueError before any work, and the counter above sees that read."""
@@ -152,7 +134,8 @@ def test_the_counter_sees_the_interpreter_path_read_its_range_check(case, monkey
     assert reads.calls == ["Tensor.tolist"]
 
 
-@pytest.mark.parametrize("case", ["flce-mean", "flce-none", "flce-in-place", "dpo"])
+@pytest.mark.parametrize("case", ["ce-mean", "ce-mean-fp16", "ce-in-place", "flce-mean", "flce-none", "flce-in-place",
+                                  "dpo"])  # fmt: skip
 def test_a_target_out_of_range_on_the_gpu_path_gives_nan_loss_and_gradients(case, gpu_path):
     """Not checked on the host, a bad target still never yields a plausible number: loss and every gradient NaN."""
     run, leaves = CASES[case](True)
@@ -161,7 +144,7 @@ def test_a_target_out_of_range_on_the_gpu_path_gives_nan_loss_and_gradients(case
     assert all(torch.isnan(leaf.grad).all() for leaf in leaves)
 
 
-@pytest.mark.parametrize("case", ["flce-mean", "dpo"])
+@pytest.mark.parametrize("case", ["ce-mean", "ce-in-place", "flce-mean", "dpo"])
 def test_a_target_out_of_range_where_reads_are_free_is_a_value_error(case, monkeypatch):
     monkeypatch.setattr(runtime, "HOST_READS_WAIT", False)  # the interpreter's value (on a GPU too, for the test)
     run, _ = CASES[case](True)

@@ -277,6 +277,25 @@ def test_cpo_bad_input_is_a_value_error(make, options, message):
         liger_lab.fused_linear_cpo(*make(*tensors), **options)
 
 
+@pytest.mark.parametrize(
+    "loss, options, message",
+    [
+        ("cpo", {"loss_type": "hinge", "label_smoothing": 0.1}, "takes none"),
+        ("cpo", {"loss_type": "ipo", "beta": 0.0}, "beta > 0"),
+        ("dpo", {"loss_type": "robust", "label_smoothing": 0.5}, "it in"),
+        ("kto", {"loss_type": "bco"}, "loss_type"),
+    ],
+)
+def test_the_references_check_their_options_as_the_kernels_do(loss, options, message):
+    """One check of each loss's options (preference.<loss>_options) for the kernel path and the float64 reference:
+    the reference never computes a loss for options the kernel refuses."""
+    hidden, weight = head(N if loss == "kto" else 2 * B)
+    args = [hidden.double(), weight.double(), targets(hidden.shape[0]), *([labels()] if loss == "kto" else [])]
+    extra = {"ref_logps": _zeros(hidden.shape[0]).double()} if loss in ("dpo", "kto") else {}
+    with pytest.raises(ValueError, match=message):
+        getattr(reference, f"fused_linear_{loss}")(*args, **extra, **options)
+
+
 @pytest.fixture
 def gpu_path(monkeypatch):
     """The GPU's logic on the interpreter's tensors: values may not be read on the host."""

@@ -3,9 +3,9 @@
 Triton launches on the current device and its current stream; a model split over GPUs in one process calls each
 layer's kernels with that layer's tensors while another GPU may be current. Here every op of the table runs forward
 and backward while each Triton launch records the device context it was made in (``runtime.device_context``, the
-one place that sets it); the context must be there for every launch and name the launch's tensors' device. On CPU
-the context is a no-op, so this checks that no launch goes around it; on a machine with two GPUs the ops also run
-on the second one while the first is current.
+one place that sets it: ``helpers.recorded_launches``); the context must be there for every launch and name the
+launch's tensors' device. On CPU the context is a no-op, so this checks that no launch goes around it; on a machine
+with two GPUs the ops also run on the second one while the first is current.
 """
 
 from __future__ import annotations
@@ -14,44 +14,18 @@ import contextlib
 
 import pytest
 import torch
-import triton
-from triton.runtime import interpreter
+from helpers import recorded_launches
 
 from liger_lab import runtime
 from liger_lab.ops.table import OPS
-
-# What launches a kernel: the interpreter's function on CPU, Triton's JIT function on the GPU.
-_KERNEL_CLASS = interpreter.InterpretedFunction if runtime.INTERPRET else triton.runtime.jit.JITFunction
+from liger_lab.runtime import device as runtime_device
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """(kernel name, device context it ran in or None, devices of its tensor arguments, the stream Triton launches
-    it on: the current stream of the current device, None on CPU) of every launch."""
-    contexts: list[torch.device] = []
-    seen: list[tuple[str, torch.device | None, set[torch.device], torch.cuda.Stream | None]] = []
-    device_context = runtime.device_context
-
-    @contextlib.contextmanager
-    def recording_context(device):
-        contexts.append(device)
-        try:
-            with device_context(device):
-                yield
-        finally:
-            contexts.pop()
-
-    run = _KERNEL_CLASS.run
-
-    def recording_run(self, *args, **kwargs):
-        devices = {arg.device for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor)}
-        stream = None if runtime.INTERPRET else torch.cuda.current_stream()
-        seen.append((self.__name__, contexts[-1] if contexts else None, devices, stream))
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(runtime, "device_context", recording_context)
-    monkeypatch.setattr(_KERNEL_CLASS, "run", recording_run)
-    return seen
+    """Every launch of the test (``helpers.Launch``)."""
+    with recorded_launches(monkeypatch) as seen:
+        yield seen
 
 
 def _outputs(out: object) -> tuple[torch.Tensor, ...]:
@@ -84,7 +58,7 @@ def test_launch_kernel_asks_for_the_first_tensor_arguments_device(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: events.append(("launch", grid, len(args), sorted(kwargs)))
 
-    monkeypatch.setattr(runtime, "device_context", recording_context)
+    monkeypatch.setattr(runtime_device, "device_context", recording_context)
     meta = torch.device("meta")
     runtime.launch_kernel(Kernel(), (3,), 7, torch.empty(2, device=meta), torch.empty(2), BLOCK=16)
     assert events == [("enter", meta), ("launch", (3,), 3, ["BLOCK"]), ("exit", meta)]

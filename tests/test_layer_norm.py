@@ -1,22 +1,11 @@
 import pytest
 import torch
-from helpers import non_contiguous, randn, row_strided
+from helpers import check_op, non_contiguous, randn, row_strided
 
 import liger_lab
 from liger_lab import reference, runtime
 from liger_lab.checks import check_against_reference, check_close
 from liger_lab.nn import LayerNorm
-
-
-def _check(x, w, b, tol=None, eps=1e-5):
-    return check_against_reference(
-        "layer_norm",
-        lambda x, w, b: liger_lab.layer_norm(x, w, b, eps),
-        lambda x, w, b: reference.layer_norm(x, w, b, eps),
-        [x, w, b],
-        input_names=["x", "weight", "bias"],
-        tol=tol,
-    )
 
 
 def _params(n, dtype=torch.float32):
@@ -25,12 +14,12 @@ def _params(n, dtype=torch.float32):
 
 @pytest.mark.parametrize("shape", [(8, 64), (1, 37), (5, 1000), (3, 7, 96), (130, 33), (2, 1, 4099)])
 def test_matches_float64_fp32(shape):
-    assert _check(randn(*shape), *_params(shape[-1]))
+    assert check_op("layer_norm", randn(*shape), *_params(shape[-1]))
 
 
 @pytest.mark.parametrize("shape", [(33, 257), (2, 5, 96)])
 def test_fp16(shape):
-    assert _check(randn(*shape, dtype=torch.float16), *_params(shape[-1], torch.float16))
+    assert check_op("layer_norm", randn(*shape, dtype=torch.float16), *_params(shape[-1], torch.float16))
 
 
 def _check_layouts(x, w, b, x_layout, param_layout=lambda p: p):
@@ -90,7 +79,7 @@ def test_large_mean_is_centred_before_squaring():
     # mean(x**2) - mean(x)**2 in fp32 loses most digits of a variance of 1 under a mean of 300 (errors of
     # several percent); centring first keeps the error near fp32 rounding of the mean.
     x = 300 + randn(16, 256)
-    assert _check(x, *_params(256), tol=1e-4)
+    assert check_op("layer_norm", x, *_params(256), tol=1e-4)
 
 
 def test_constant_rows_normalise_to_the_bias():
@@ -100,7 +89,7 @@ def test_constant_rows_normalise_to_the_bias():
     torch.testing.assert_close(y, b.expand(4, 96), rtol=0, atol=0)
     y.backward(randn(4, 96))
     assert torch.isfinite(x.grad).all()
-    assert _check(x, w, b)
+    assert check_op("layer_norm", x, w, b)
 
 
 def test_hidden_size_one():
@@ -123,7 +112,7 @@ def test_hidden_size_one():
 def test_eps_is_applied():
     # A tiny variance makes eps dominate: a kernel that drops or misplaces eps fails here.
     x = 1e-3 * randn(8, 64)
-    assert _check(x, *_params(64), eps=1e-4)
+    assert check_op("layer_norm", x, *_params(64), eps=1e-4)
 
 
 def test_empty_inputs():
@@ -224,9 +213,9 @@ def test_interpreter_rejects_non_cpu_tensors():
 def test_bf16_on_gpu(shape):
     x = randn(*shape, dtype=torch.bfloat16)
     w = (1 + 0.1 * randn(shape[-1])).to(torch.bfloat16)
-    assert _check(x, w, randn(shape[-1], dtype=torch.bfloat16))
+    assert check_op("layer_norm", x, w, randn(shape[-1], dtype=torch.bfloat16))
 
 
 @pytest.mark.cuda
 def test_fp32_on_gpu_large():
-    assert _check(randn(4096, 4096), *_params(4096))
+    assert check_op("layer_norm", randn(4096, 4096), *_params(4096))

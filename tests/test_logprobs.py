@@ -141,8 +141,8 @@ def test_operators_with_bias_and_entropy_pass_opcheck():
     tests = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.liger_lab.fused_linear_logprobs, args, test_utils=tests)
     _, entropy, stats = torch.ops.liger_lab.fused_linear_logprobs(*args)
-    backward_args = (randn(9), randn(9), hidden.detach(), weight.detach(), target, bias.detach(), stats.detach(),
-                     entropy.detach(), 0.8, -100, None, "fp32", [True, True, True])  # fmt: skip
+    backward_args = (hidden.detach(), weight.detach(), target, bias.detach(), stats.detach(), entropy.detach(),
+                     randn(9), randn(9), 0.8, -100, None, "fp32", [True, True, True])  # fmt: skip
     torch.library.opcheck(torch.ops.liger_lab.fused_linear_logprobs_backward, backward_args, test_utils=tests)
 
 

@@ -9,9 +9,7 @@ alone, and ``patch_report`` says so. The benchmark script runs in its small form
 
 import copy
 import gc
-import importlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +17,8 @@ from helpers import OpCalls
 from test_patching import VOCAB, assert_same_training_step, batch, tiny_model
 
 import liger_lab
-from liger_lab import patching, runtime
+from liger_lab import runtime
+from liger_lab.hf.families import _modeling
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,7 +109,7 @@ def test_experts_with_another_activation_are_left_alone():
 
 def test_unpatch_restores_the_experts_and_the_report_follows():
     model = tiny_model("qwen3_moe")
-    modeling = patching._modeling("qwen3_moe")
+    modeling = _modeling("qwen3_moe")
     report = liger_lab.patch_report(liger_lab.patch(model))
     assert report.replaced[FUSED] == 1 and report.replaced["gated MLP (SwiGLU/GeGLU)"] == 1
     assert set(report.left_alone) == {"router"} and f"fused      {FUSED}" in str(report)
@@ -124,7 +123,7 @@ def test_unpatch_restores_the_experts_and_the_report_follows():
 
 
 def test_patching_the_family_builds_fused_experts():
-    modeling = patching._modeling("mixtral")
+    modeling = _modeling("mixtral")
     original = modeling.MixtralExperts
     liger_lab.patch("mixtral")
     try:
@@ -138,8 +137,8 @@ def test_patching_the_family_builds_fused_experts():
 
 
 def test_moe_benchmark_runs_quick(monkeypatch, tmp_path, capsys):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    benchmark = importlib.import_module("moe_experts")
+    from benchmarks import moe_experts as benchmark
+
     path = tmp_path / "moe.json"
     assert benchmark.main(["--quick", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())

@@ -11,10 +11,17 @@ import warnings
 
 import pytest
 import torch
+from tiny_vlms import CONFIGS as VLM_CONFIGS
+from tiny_vlms import tiny_vlm
 
 import liger_lab
-from liger_lab import patching, runtime
+from liger_lab import hf, runtime
 from liger_lab.checks import relative_l2_error
+from liger_lab.hf.families import _modeling
+from liger_lab.hf.loss import _REPORTED_FALLBACKS
+from liger_lab.hf.registry import _original
+from liger_lab.ops import fused_linear_cross_entropy as flce_ops
+from liger_lab.ops import rope as rope_ops
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,12 +109,15 @@ def tiny_config(model_type: str, **overrides):
 
 def tiny_model(model_type: str, **overrides):
     """A random causal LM whose norm weights are random too, so a wrong offset or casting shows."""
-    config = tiny_config(model_type, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(runtime.DEVICE)
+    if model_type in VLM_CONFIGS:  # a vision-language family: tests/tiny_vlms.py
+        model = tiny_vlm(model_type, **overrides)
+    else:
+        config = tiny_config(model_type, **overrides)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(runtime.DEVICE)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.normal_(0.0 if patching.FAMILIES[model_type].norm == "gemma" else 1.0, 0.3)  # w or 1 + w
+                param.normal_(0.0 if hf.FAMILIES[model_type].norm == "gemma" else 1.0, 0.3)  # w or 1 + w
     return model.train()
 
 
@@ -144,7 +154,7 @@ def fused_class_names(model) -> set[str]:
 def test_every_family_trains_like_transformers(model_type):
     reference = tiny_model(model_type)
     model = liger_lab.patch(copy.deepcopy(reference))
-    family = patching.FAMILIES[model_type]
+    family = hf.FAMILIES[model_type]
     assert fused_class_names(model) == {f"Fused{family.name(piece)}" for piece in family.pieces}
     assert "forward" in model.__dict__
     ours, _ = assert_same_training_step(model, reference, *batch())
@@ -157,7 +167,7 @@ def test_router_load_balancing_loss_runs_transformers_forward_and_says_so():
     compute: the patched model runs transformers' loss (the same numbers) and warns, once."""
     reference = tiny_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.1)
     model = liger_lab.patch(copy.deepcopy(reference))
-    patching._REPORTED_FALLBACKS.clear()
+    _REPORTED_FALLBACKS.clear()
     with pytest.warns(UserWarning, match="materialises the logits.*load-balancing"):
         ours, _ = assert_same_training_step(model, reference, *batch())
     assert ours.aux_loss is not None and ours.logits is not None
@@ -224,14 +234,14 @@ def test_options_choose_what_is_patched():
                             fused_linear_cross_entropy=False)  # fmt: skip
     assert fused_class_names(model) == {"FusedLlamaMLP"}
     assert "forward" not in model.__dict__
-    modeling = patching._modeling("llama")
-    assert modeling.apply_rotary_pos_emb is patching._original(modeling, "apply_rotary_pos_emb")
+    modeling = _modeling("llama")
+    assert modeling.apply_rotary_pos_emb is _original(modeling, "apply_rotary_pos_emb")
     liger_lab.unpatch(model)
 
 
 def test_unpatch_restores_the_model_exactly():
     model = tiny_model("qwen3").eval()
-    modeling = patching._modeling("qwen3")
+    modeling = _modeling("qwen3")
     rope_before = modeling.apply_rotary_pos_emb
     classes = {name: type(m) for name, m in model.named_modules()}
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -254,7 +264,7 @@ def test_unpatch_restores_the_model_exactly():
 
 
 def test_a_collected_patched_model_lets_go_of_the_rope_swap():
-    modeling = patching._modeling("llama")
+    modeling = _modeling("llama")
     original = modeling.apply_rotary_pos_emb
     model = liger_lab.patch(tiny_model("llama"))
     assert modeling.apply_rotary_pos_emb is not original
@@ -264,7 +274,7 @@ def test_a_collected_patched_model_lets_go_of_the_rope_swap():
 
 
 def test_rope_stays_swapped_while_any_patched_model_holds_it():
-    modeling = patching._modeling("llama")
+    modeling = _modeling("llama")
     original = modeling.apply_rotary_pos_emb
     first, second = liger_lab.patch(tiny_model("llama")), liger_lab.patch(tiny_model("llama"))
     liger_lab.unpatch(first)
@@ -275,8 +285,8 @@ def test_rope_stays_swapped_while_any_patched_model_holds_it():
 
 def test_only_patched_models_run_the_fused_rope(monkeypatch):
     calls = []
-    fused = patching.rope_ops.apply_rotary_pos_emb
-    monkeypatch.setattr(patching.rope_ops, "apply_rotary_pos_emb", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    fused = rope_ops.apply_rotary_pos_emb
+    monkeypatch.setattr(rope_ops, "apply_rotary_pos_emb", lambda *a, **k: calls.append(1) or fused(*a, **k))
     reference = tiny_model("llama", num_hidden_layers=2)
     model = liger_lab.patch(copy.deepcopy(reference))
     input_ids, _ = batch()
@@ -289,7 +299,7 @@ def test_only_patched_models_run_the_fused_rope(monkeypatch):
 
 
 def test_patching_by_model_type_patches_the_classes():
-    modeling = patching._modeling("llama")
+    modeling = _modeling("llama")
     names = ("LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "apply_rotary_pos_emb")
     originals = {name: getattr(modeling, name) for name in names}
     forward = modeling.LlamaForCausalLM.forward
@@ -302,7 +312,7 @@ def test_patching_by_model_type_patches_the_classes():
         torch.manual_seed(1)
         model = transformers.AutoModelForCausalLM.from_config(reference.config).to(runtime.DEVICE).train()
         model.load_state_dict(reference.state_dict())
-        assert fused_class_names(model) == {f"FusedLlama{piece}" for piece in patching.FAMILIES["llama"].pieces}
+        assert fused_class_names(model) == {f"FusedLlama{piece}" for piece in hf.FAMILIES["llama"].pieces}
         assert "forward" not in model.__dict__  # the class forward already is the fused one
         ours, _ = assert_same_training_step(model, reference, *batch())
         assert ours.logits is None
@@ -320,7 +330,7 @@ def test_peft_wrapped_model():
     reference = peft.get_peft_model(tiny_model("mistral"), lora)
     model = copy.deepcopy(reference)
     assert liger_lab.patch(model) is model
-    assert fused_class_names(model) == {f"FusedMistral{piece}" for piece in patching.FAMILIES["mistral"].pieces}
+    assert fused_class_names(model) == {f"FusedMistral{piece}" for piece in hf.FAMILIES["mistral"].pieces}
     ours, _ = assert_same_training_step(model, reference, *batch())
     assert ours.logits is None
     liger_lab.unpatch(model)
@@ -420,9 +430,9 @@ def fused_calls(monkeypatch):
     """The calls of the fused linear cross-entropy, each recorded as the ``chunk_tokens`` it was given (the list's
     length counts them)."""
     calls = []
-    fused = patching.flce_ops.fused_linear_cross_entropy
+    fused = flce_ops.fused_linear_cross_entropy
     monkeypatch.setattr(
-        patching.flce_ops,
+        flce_ops,
         "fused_linear_cross_entropy",
         lambda *a, **k: calls.append(k.get("chunk_tokens")) or fused(*a, **k),
     )
@@ -441,9 +451,9 @@ def test_the_models_loss_chunk_is_bounded_by_its_hidden_states(fused_calls):
     model = liger_lab.patch(tiny_model("llama"))
     train_step_loss(model)
     dtype, vocab = model.lm_head.weight.dtype, model.config.vocab_size
-    expected = patching.flce_ops.chunk_tokens_in_model(2 * 48, model.config.hidden_size, vocab, dtype)
+    expected = flce_ops.chunk_tokens_in_model(2 * 48, model.config.hidden_size, vocab, dtype)
     assert fused_calls == [expected]
-    assert expected < patching.flce_ops.chunk_tokens_for(2 * 48, vocab, dtype)  # the model's bound is the smaller
+    assert expected < flce_ops.chunk_tokens_for(2 * 48, vocab, dtype)  # the model's bound is the smaller
 
 
 def test_loss_chunk_tokens_sets_the_chunk_and_keeps_the_loss(fused_calls):
@@ -466,7 +476,7 @@ def test_loss_chunk_tokens_must_be_a_positive_count(bad):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
         liger_lab.patch(model, loss_chunk_tokens=bad)
-    assert patching.report(model).replaced == {}  # nothing was patched
+    assert hf.patch_report(model).replaced == {}  # nothing was patched
 
 
 def fallback_warnings(record) -> list[str]:
@@ -476,7 +486,7 @@ def fallback_warnings(record) -> list[str]:
 def assert_lora_head_fused(model, reference, fused_calls, *args, seed=None, **kwargs):
     """One training step of the patched model matches the unpatched PEFT model's (each run after
     ``torch.manual_seed(seed)`` when given), with the fused loss run once and no fallback; returns our gradients."""
-    patching._REPORTED_FALLBACKS.clear()  # a warning given once per process shows here too
+    _REPORTED_FALLBACKS.clear()  # a warning given once per process shows here too
     fused_calls.clear()
     if seed is not None:
         torch.manual_seed(seed)
@@ -544,7 +554,7 @@ def test_lora_lm_head_with_adapters_disabled_or_merged_is_its_base_layer(fused_c
     reference = lora_model()
     model = liger_lab.patch(copy.deepcopy(reference))
     input_ids, labels = batch()
-    patching._REPORTED_FALLBACKS.clear()
+    _REPORTED_FALLBACKS.clear()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         with model.disable_adapter():
@@ -582,7 +592,7 @@ def test_a_lora_lm_head_the_fused_loss_cannot_take_materialises_the_logits_and_s
         reference = make()
     model = liger_lab.patch(copy.deepcopy(reference))
     assert reason in liger_lab.patch_report(model).left_alone["loss"]
-    patching._REPORTED_FALLBACKS.clear()
+    _REPORTED_FALLBACKS.clear()
     with pytest.warns(UserWarning, match="materialises the logits") as record:
         ours, _ = assert_same_training_step(model, reference, *batch())
     assert any(reason in message for message in fallback_warnings(record))
@@ -596,7 +606,7 @@ def test_a_batch_of_mixed_adapters_materialises_the_logits():
     reference.add_adapter("second", reference.peft_config["default"])
     model = liger_lab.patch(copy.deepcopy(reference)).eval()
     input_ids, labels = batch()
-    patching._REPORTED_FALLBACKS.clear()
+    _REPORTED_FALLBACKS.clear()
     with torch.no_grad(), pytest.warns(UserWarning, match="forward pre-hook"):
         ours = model(input_ids=input_ids, labels=labels, adapter_names=["default", "second"], skip_logits=True)
     with torch.no_grad():

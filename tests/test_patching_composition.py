@@ -15,9 +15,11 @@ from helpers import OpCalls, randn
 from test_patching import LOSS_TOL, batch, loss_and_grads, tiny_model
 
 import liger_lab
-from liger_lab import patching, runtime
+from liger_lab import runtime
 from liger_lab.checks import relative_l2_error
+from liger_lab.hf.loss import _BoundForward
 from liger_lab.nn import SwiGLUMLP
+from liger_lab.ops import rope as rope_ops
 
 
 def _kernels_run(model, input_ids, labels) -> set[str]:
@@ -211,7 +213,7 @@ def test_patch_of_a_compiled_model_patches_the_module_it_compiles():
     model = tiny_model("llama")
     compiled = torch.compile(model, backend="eager")
     assert liger_lab.patch(compiled) is compiled
-    assert isinstance(model.__dict__["forward"], patching._BoundForward)
+    assert isinstance(model.__dict__["forward"], _BoundForward)
     assert "loss (fused linear cross-entropy)" in liger_lab.patch_report(compiled).replaced
     assert liger_lab.unpatch(compiled) is compiled
     assert "forward" not in model.__dict__ and type(model.model.norm).__name__ == "LlamaRMSNorm"
@@ -221,9 +223,9 @@ def test_fused_rope_is_per_thread(monkeypatch):
     """While a patched model's attention runs in one thread, an unpatched model of the same family run by another
     thread gets transformers' RoPE (the dispatcher's switch is per thread)."""
     fused_by_thread = []
-    fused = patching.rope_ops.apply_rotary_pos_emb
+    fused = rope_ops.apply_rotary_pos_emb
     monkeypatch.setattr(
-        patching.rope_ops,
+        rope_ops,
         "apply_rotary_pos_emb",
         lambda *a, **k: fused_by_thread.append(threading.get_ident()) or fused(*a, **k),
     )

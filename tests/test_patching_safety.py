@@ -3,11 +3,14 @@
 unpatched model's tuple layout.
 """
 
+import ast
 import copy
+import dataclasses
 import gc
 import inspect
 import io
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -18,12 +21,16 @@ from helpers import OpCalls
 from test_patching import LOSS_TOL, batch, fused_class_names, loss_and_grads, tiny_model
 
 import liger_lab
-from liger_lab import patching, runtime
+from liger_lab import hf, patching, runtime
 from liger_lab.checks import relative_l2_error
+from liger_lab.hf import loss as hf_loss
+from liger_lab.hf import modules, registry
+from liger_lab.hf.families import _Family, _modeling, _Options
+from liger_lab.hf.registry import _original
 
 transformers = pytest.importorskip("transformers")
 
-FUSED_LLAMA = {f"FusedLlama{piece}" for piece in patching.FAMILIES["llama"].pieces}
+FUSED_LLAMA = {f"FusedLlama{piece}" for piece in hf.FAMILIES["llama"].pieces}
 
 
 @pytest.fixture(autouse=True)
@@ -48,20 +55,98 @@ def loss_of(model, input_ids, labels):
 
 
 def rope_is_swapped(modeling) -> bool:
-    return modeling.apply_rotary_pos_emb is not patching._original(modeling, "apply_rotary_pos_emb")
+    return modeling.apply_rotary_pos_emb is not _original(modeling, "apply_rotary_pos_emb")
 
 
 def test_fused_classes_are_found_by_name():
-    """What pickle does with the class of a patched module, for every family and piece."""
-    everything = patching._Options(True, True, True, False, True, None)
-    for model_type, family in patching.FAMILIES.items():
-        classes = patching._fused_classes(family, patching._modeling(model_type), everything)
+    """What pickle does with the class of a patched module, for every family and piece: in ``liger_lab.hf``, where
+    new pickles name them, and in ``liger_lab.patching``, where pickles made before the split do."""
+    everything = _Options(True, True, True, False, True, None)
+    for model_type, family in hf.FAMILIES.items():
+        classes = modules._fused_classes(family, _modeling(model_type), everything)
         assert len(classes) == len(family.pieces)
-        for name, (_, fused) in classes.items():
-            assert fused.__name__ == fused.__qualname__ == f"Fused{name}"
-            assert getattr(patching, fused.__name__) is fused
-    with pytest.raises(AttributeError):
-        patching.FusedBertMLP  # noqa: B018
+        for name, piece in classes.items():
+            fused = piece.fused
+            assert fused.__name__ == fused.__qualname__ and fused.__name__.startswith(f"Fused{name}")
+            assert fused.__module__ == "liger_lab.hf"
+            assert getattr(hf, fused.__name__) is fused and getattr(patching, fused.__name__) is fused
+    for home in (hf, patching):
+        with pytest.raises(AttributeError, match=f"module '{home.__name__}' has no attribute 'FusedBertMLP'"):
+            home.FusedBertMLP  # noqa: B018
+
+
+def test_every_piece_kind_has_a_builder_an_option_and_a_family_flag():
+    """A piece kind is one entry of the registry: what builds it, the option that turns it on and the flag that says
+    a family has it must exist, or the kind would fail only when a family first asks for it."""
+    options = {field.name for field in dataclasses.fields(_Options)}
+    flags = {field.name for field in dataclasses.fields(_Family) if field.type in ("bool", bool)}
+    assert set(modules._BUILDERS) == set(registry._PIECE_KINDS)
+    for suffix, kind in registry._PIECE_KINDS.items():
+        assert kind.suffix == suffix and kind.option in options and kind.flag in flags | {None}, kind
+
+
+HF = pathlib.Path(hf.__file__).parent
+LAYERS = ["registry", "families", "modules", "loss", "api", "report"]
+"""The files of liger_lab.hf from the bottom up: each imports only those before it (the package docstring's order)."""
+
+
+def hf_imports(path: pathlib.Path) -> set[str]:
+    """The files of liger_lab.hf that a file imports; a name imported from the package itself that is not a file is
+    its ``__init__``'s, which no layer may import."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: from inside the package
+                module = f"liger_lab.hf.{module}" if module else "liger_lab.hf"
+            names |= {f"{module}.{alias.name}" for alias in node.names} if module == "liger_lab.hf" else {module}
+    prefix = "liger_lab.hf."
+    return {name.removeprefix(prefix).partition(".")[0] for name in names if name.startswith(prefix)}
+
+
+def test_the_hf_files_import_only_the_layers_below():
+    """No import circle among the files, and the swap mechanics never import the fused modules they serve."""
+    assert sorted(LAYERS) == sorted(path.stem for path in HF.glob("*.py") if path.stem != "__init__")
+    for index, layer in enumerate(LAYERS):
+        imported = hf_imports(HF / f"{layer}.py")
+        assert imported <= set(LAYERS[:index]), f"{layer}.py imports {sorted(imported - set(LAYERS[:index]))}"
+
+
+def test_the_pre_split_module_finds_every_name_in_its_new_home():
+    """``liger_lab.patching`` was the whole layer: its public names, and the private ones that notebooks and old
+    pickles name, are the objects of liger_lab.hf (one registry of fallbacks, not a copy)."""
+    assert (patching.patch, patching.unpatch, patching.report) == (hf.patch, hf.unpatch, hf.patch_report)
+    assert patching.FAMILIES is hf.FAMILIES and patching.PatchReport is hf.PatchReport
+    assert patching._REPORTED_FALLBACKS is hf_loss._REPORTED_FALLBACKS and patching._UNFUSED is registry._UNFUSED
+    assert patching._BoundForward is hf_loss._BoundForward and patching._mlp_class is modules._mlp_class
+    for name in ("_loss_forward", "_as_forward_of", "_is_fsdp_unit", "_llama_rms_norm_forward", "_Options"):
+        assert callable(getattr(patching, name)), name
+    with pytest.raises(AttributeError, match="module 'liger_lab.patching' has no attribute '_no_such_name'"):
+        patching._no_such_name  # noqa: B018
+
+
+def test_a_model_pickled_under_the_pre_split_names_loads(monkeypatch):
+    """A model saved before the split names its fused classes and its forward in ``liger_lab.patching``: made here
+    by saving one while those classes say they live there, it loads as the same patched model. New pickles name
+    ``liger_lab.hf`` alone."""
+    model = liger_lab.patch(tiny_model("llama"))
+    input_ids, labels = batch()
+    before = loss_of(model, input_ids, labels)
+    assert b"liger_lab.hf" in pickled(model) and b"liger_lab.patching" not in pickled(model)
+    with monkeypatch.context() as old_names:
+        for cls in {type(m) for m in model.modules() if type(m) in registry._UNFUSED} | {hf_loss._BoundForward}:
+            old_names.setattr(cls, "__module__", "liger_lab.patching")
+        data = pickled(model)
+    assert b"liger_lab.patching" in data and b"liger_lab.hf" not in data
+    loaded = unpickled(data)
+    assert fused_class_names(loaded) == FUSED_LLAMA and type(loaded.forward) is hf_loss._BoundForward
+    after = loss_of(loaded, input_ids, labels)
+    assert after.logits is None  # the fused loss still runs
+    assert relative_l2_error(after.loss, before.loss) < LOSS_TOL
+    liger_lab.unpatch(model)
+    liger_lab.unpatch(loaded)
 
 
 def test_instance_patched_model_pickles_and_computes_the_same_loss():
@@ -96,7 +181,7 @@ def test_family_patched_model_pickles_and_computes_the_same_loss():
 
 
 def test_a_loaded_model_holds_the_rope_swap_until_unpatched():
-    modeling = patching._modeling("llama")
+    modeling = _modeling("llama")
     model = liger_lab.patch(tiny_model("llama"))
     input_ids, labels = batch()
     before = loss_of(model, input_ids, labels)
@@ -117,11 +202,12 @@ FRESH_PROCESS = textwrap.dedent(
     """
     import json, sys
     import torch
-    import liger_lab  # before the pickle names liger_lab.patching: picks the interpreter on CPU
-    from liger_lab import patching
+    import liger_lab  # before the pickle names liger_lab.hf: picks the interpreter on CPU
+    from liger_lab.hf.families import _modeling
+    from liger_lab.hf.registry import _original
 
-    modeling = patching._modeling("llama")
-    swapped = lambda: modeling.apply_rotary_pos_emb is not patching._original(modeling, "apply_rotary_pos_emb")
+    modeling = _modeling("llama")
+    swapped = lambda: modeling.apply_rotary_pos_emb is not _original(modeling, "apply_rotary_pos_emb")
     fused = lambda model: sorted(type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Fused"))
     reports = {}
     for how, path in zip(sys.argv[1::2], sys.argv[2::2]):  # one model after the other: each holds the rope
@@ -219,7 +305,7 @@ def test_autocast_step_matches_transformers(model_type):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("model_type", sorted(patching.FAMILIES))
+@pytest.mark.parametrize("model_type", sorted(hf.FAMILIES))
 def test_fused_norms_round_where_transformers_does(model_type, dtype):
     """Each family's RMSNorm rounds at its own point (Llama: xhat to the input dtype, then times w; OLMo 2: w times
     xhat in fp32, rounded once; Gemma: (1 + w) in fp32). In half precision a wrong choice changes about a quarter
@@ -245,7 +331,7 @@ def test_fused_norms_round_where_transformers_does(model_type, dtype):
         assert differ < 0.01, f"{type(theirs).__name__}: {differ:.1%} of the outputs differ"
 
 
-@pytest.mark.parametrize("model_type", sorted(patching.FAMILIES))
+@pytest.mark.parametrize("model_type", sorted(hf.FAMILIES))
 def test_half_precision_step_matches_transformers(model_type):
     """A whole training step in half precision: every fused piece returns the dtype transformers' does (OLMo 2's
     RoPE takes fp32 cos and sin and rounds q and k back to their dtype) and rounds close to it."""
@@ -259,12 +345,12 @@ def test_half_precision_step_matches_transformers(model_type):
         assert relative_l2_error(grad, their_grads[name]) < 3e-2, name
 
 
-@pytest.mark.parametrize("model_type", sorted(patching.FAMILIES))
+@pytest.mark.parametrize("model_type", sorted(hf.FAMILIES))
 def test_every_fused_piece_runs_its_kernel(model_type):
     """A patched model's step runs the kernel of every piece its family fuses, here and on the GPU (in bf16
     there): a swap that matched no module, or a transformers path that goes around it, would otherwise only
     show as a model that trains like the unpatched one."""
-    family = patching.FAMILIES[model_type]
+    family = hf.FAMILIES[model_type]
     model = liger_lab.patch(tiny_model(model_type).to(runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)))
     input_ids, labels = batch()
     with OpCalls() as calls:

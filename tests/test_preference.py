@@ -316,7 +316,7 @@ def test_reference_empty_sequence_and_orpo_cap():
     odds = lambda a: a - math.log(-math.expm1(a))  # noqa: E731
     expected = -0.1 * F.logsigmoid(torch.tensor(odds(reference.ORPO_MAX_AVG_LOGP) - odds(logp[1].item() / 2)))
     torch.testing.assert_close(reference.fused_linear_orpo(hidden, weight, target), expected.double())
-    assert reference.ORPO_MAX_AVG_LOGP == preference.ORPO_MAX_AVG_LOGP
+    assert reference.ORPO_MAX_AVG_LOGP is preference.ORPO_MAX_AVG_LOGP  # one cap, stated once
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,10 +354,12 @@ def test_no_tensor_holds_the_logits_of_every_pair(loss):
     n_pairs, seq_len, vocab = 5, 6, 300
     hidden, weight, target, *refs = inputs(loss, n_pairs=n_pairs, seq_len=seq_len, hidden=8, vocab=vocab)
     refs = refs or [None, None]
-    with LargestNewTensor() as mode:
-        options = preference.PreferenceOptions(loss, beta=0.1, gamma=0.5, nll_weight=float(loss == "orpo"))
-        preference._forward(hidden, weight, target, *refs, None, None, None, None, options, -100, 2, "fp32",
-                            [True, True])  # fmt: skip
+    options = preference.PreferenceOptions(loss, beta=0.1, gamma=0.5, nll_weight=float(loss == "orpo"))
+    args = (hidden, weight, target, *refs, None, None, None, None, *options.arguments(), -100, 2, "fp32",
+            [True, True, False])  # fmt: skip
+    outputs = [allocate(*args) for allocate in preference.FUSED_LINEAR_PREFERENCE_OUTPUTS.values()]
+    with LargestNewTensor() as mode:  # the operator's work itself (a mode sees an operator's call, not inside it)
+        preference._forward(*args, *outputs)
     chunk_logits = 2 * 2 * seq_len * vocab  # two pairs per chunk
     assert mode.largest <= max(chunk_logits, weight.numel(), hidden.numel()) < 2 * n_pairs * seq_len * vocab
 

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from helpers import non_contiguous, randn, row_strided
+from helpers import check_op, non_contiguous, randn, row_strided
 
 import liger_lab
 from liger_lab import reference, runtime
@@ -8,36 +8,30 @@ from liger_lab.checks import check_against_reference, relative_l2_error
 from liger_lab.nn import RMSNorm
 
 
-def _check(x, w, dtype_tol=None, **kwargs):
-    return check_against_reference(
-        "rms_norm",
-        lambda x, w: liger_lab.rms_norm(x, w, 1e-6, **kwargs),
-        lambda x, w: reference.rms_norm(x, w, 1e-6, **kwargs),
-        [x, w],
-        input_names=["x", "weight"],
-        tol=dtype_tol,
-    )
-
-
 @pytest.mark.parametrize("shape", [(8, 64), (1, 37), (5, 1000), (3, 7, 96), (130, 33), (2, 1, 4099)])
 @pytest.mark.parametrize("casting_mode,offset", [("llama", 0.0), ("gemma", 1.0), ("llama", 0.5)])
 def test_matches_float64_fp32(shape, casting_mode, offset):
     x = randn(*shape)
     w = randn(shape[-1], scale=0.5)
-    assert _check(x, w, casting_mode=casting_mode, offset=offset)
+    assert check_op("rms_norm", x, w, casting_mode=casting_mode, offset=offset)
 
 
 @pytest.mark.parametrize("casting_mode,offset", [("llama", 0.0), ("gemma", 1.0)])
 def test_fp16(casting_mode, offset):
-    assert _check(randn(33, 257, dtype=torch.float16), randn(257, dtype=torch.float16), casting_mode=casting_mode,
-                  offset=offset)  # fmt: skip
+    assert check_op(
+        "rms_norm",
+        randn(33, 257, dtype=torch.float16),
+        randn(257, dtype=torch.float16),
+        casting_mode=casting_mode,
+        offset=offset,
+    )
 
 
 @pytest.mark.parametrize("layout", [non_contiguous, row_strided, lambda x: x.transpose(0, 1)])
 def test_non_contiguous_input(layout):
     x = layout(randn(24, 48))
     assert not x.is_contiguous()
-    assert _check(x, randn(x.shape[-1]))
+    assert check_op("rms_norm", x, randn(x.shape[-1]))
 
 
 def test_transposed_heads_keep_their_memory_layout():
@@ -62,7 +56,7 @@ def test_transposed_heads_keep_their_memory_layout():
 
 
 def test_strided_weight():
-    assert _check(randn(6, 40), non_contiguous(randn(40)))
+    assert check_op("rms_norm", randn(6, 40), non_contiguous(randn(40)))
 
 
 def test_mixed_precision_llama_promotes_like_hugging_face():
@@ -150,4 +144,4 @@ def test_interpreter_rejects_non_cpu_tensors():
 def test_bf16_on_gpu(shape, casting_mode, offset):
     x = randn(*shape, dtype=torch.bfloat16)
     w = (1 + 0.1 * randn(shape[-1])).to(torch.bfloat16)
-    assert _check(x, w, casting_mode=casting_mode, offset=offset)
+    assert check_op("rms_norm", x, w, casting_mode=casting_mode, offset=offset)

@@ -2,7 +2,7 @@ import inspect
 
 import pytest
 import torch
-from helpers import non_contiguous, randn
+from helpers import check_op, non_contiguous, randn
 
 import liger_lab
 from liger_lab import reference, runtime
@@ -27,17 +27,6 @@ def random_tables(batch: int, seq_len: int, head_dim: int) -> tuple[torch.Tensor
     return randn(batch, seq_len, head_dim), randn(batch, seq_len, head_dim)
 
 
-def check_qk(q, k, cos, sin, layout=lambda x: x):
-    """Output and dq, dk against float64; ``layout`` turns the (B, T, H, D) leaves into (B, H, T, D) views."""
-    return check_against_reference(
-        "rope",
-        lambda q, k: liger_lab.rope(layout(q), layout(k), cos, sin),
-        lambda q, k: reference.rope(layout(q), layout(k), cos.double(), sin.double()),
-        [q, k],
-        input_names=["q", "k"],
-    )
-
-
 # (batch, q heads, k heads, seq_len, head_dim, batch of cos/sin)
 SHAPES = [
     (1, 2, 2, 8, 64, 1),
@@ -58,7 +47,7 @@ def test_matches_float64_fp32(shape, tables):
         cos, sin = angles(cos_batch, seq_len, head_dim, offset_per_batch=3)
     else:
         cos, sin = random_tables(cos_batch, seq_len, head_dim)
-    assert check_qk(q, k, cos, sin)
+    assert check_op("rope", q, k, cos, sin)
 
 
 @pytest.mark.parametrize("head_dim", [64, 96])
@@ -68,7 +57,7 @@ def test_fp16(head_dim):
     cos, sin = (t.half() for t in angles(2, 11, head_dim, offset_per_batch=5))
     q_rot, k_rot = liger_lab.rope(q, k, cos, sin)
     assert q_rot.dtype == k_rot.dtype == torch.float16
-    assert check_qk(q, k, cos, sin)
+    assert check_op("rope", q, k, cos, sin)
 
 
 def test_hugging_face_layout_transposed_views():
@@ -77,7 +66,7 @@ def test_hugging_face_layout_transposed_views():
     cos, sin = angles(2, 9, 64, offset_per_batch=4)
     transpose = lambda x: x.transpose(1, 2)
     assert not transpose(q).is_contiguous()
-    assert check_qk(q, k, cos, sin, layout=transpose)
+    assert check_op("rope", q, k, cos, sin, prepare=transpose)
     q_rot, k_rot = liger_lab.rope(transpose(q), transpose(k), cos, sin)
     # the outputs keep the (B, T, H, D) memory layout, so attention reads them without a copy either
     assert q_rot.stride() == transpose(q).stride() and k_rot.stride() == transpose(k).stride()
@@ -94,7 +83,7 @@ def test_other_strides(layout):
     q, k = randn(2, 3, 12, 64), randn(2, 1, 12, 64)
     cos, sin = random_tables(2, layout(q).shape[2], 64)
     assert not layout(q).is_contiguous()
-    assert check_qk(q, k, cos, sin, layout=layout)
+    assert check_op("rope", q, k, cos, sin, prepare=layout)
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -126,7 +115,7 @@ def test_strided_and_expanded_tables():
     q, k = randn(3, 4, 10, 64), randn(3, 2, 10, 64)
     cos, sin = random_tables(1, 10, 64)
     wide_cos = non_contiguous(cos).expand(3, -1, -1)  # stride 0 over the batch, stride 2 over features
-    assert check_qk(q, k, wide_cos, sin.expand(3, -1, -1))
+    assert check_op("rope", q, k, wide_cos, sin.expand(3, -1, -1))
 
 
 def test_cos_and_sin_gradients():
@@ -284,11 +273,11 @@ def test_bf16_on_gpu(shape, hf_layout):
     if hf_layout:
         q = randn(batch, seq_len, q_heads, head_dim, dtype=torch.bfloat16)
         k = randn(batch, seq_len, k_heads, head_dim, dtype=torch.bfloat16)
-        assert check_qk(q, k, cos, sin, layout=lambda x: x.transpose(1, 2))
+        assert check_op("rope", q, k, cos, sin, prepare=lambda x: x.transpose(1, 2))
     else:
         q = randn(batch, q_heads, seq_len, head_dim, dtype=torch.bfloat16)
         k = randn(batch, k_heads, seq_len, head_dim, dtype=torch.bfloat16)
-        assert check_qk(q, k, cos[:1], sin[:1])
+        assert check_op("rope", q, k, cos[:1], sin[:1])
 
 
 @pytest.mark.cuda

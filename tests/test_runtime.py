@@ -4,10 +4,13 @@ import sys
 
 import pytest
 import torch
+import triton
 
+import liger_lab
 from liger_lab import runtime
 
 needs_cpu_only_machine = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU start-up path")
+H200 = runtime.Hardware(interpreter=False, sm_count=132, shared_memory_bytes=227 * 1024)
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -65,17 +68,55 @@ def test_launch_settings_fit_the_matrix(n_rows, n_cols):
         (16384, 4, 227, (1, 16, 1)),
     ],
 )
-def test_the_persistent_tile_pipelines_only_where_three_stages_fit(
-    monkeypatch, n_cols, stream_bytes, shared_kib, expected
-):
+def test_the_persistent_tile_pipelines_only_where_three_stages_fit(n_cols, stream_bytes, shared_kib, expected):
     """persistent_row_launch's GPU choice, worked out without a GPU: the measured H200 tile where its three stages
     fit in three quarters of the shared memory, else the unpipelined one."""
-    monkeypatch.setattr(runtime, "INTERPRET", False)
-    monkeypatch.setattr(runtime, "sm_count", lambda: 132)
-    monkeypatch.setattr(runtime, "shared_memory_bytes", lambda: shared_kib * 1024)
-    launch = runtime.persistent_row_launch(16384, n_cols, stream_bytes=stream_bytes)
+    gpu = runtime.Hardware(interpreter=False, sm_count=132, shared_memory_bytes=shared_kib * 1024)
+    launch = runtime.persistent_row_launch(16384, n_cols, stream_bytes=stream_bytes, hardware=gpu)
     assert (launch.rows, launch.num_warps, launch.num_stages) == expected
     assert launch.grid == 132
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 1000, 1024, 1025, 2**20 + 1])
+def test_integer_helpers_match_tritons(n):
+    assert runtime.next_power_of_2(n) == triton.next_power_of_2(n)
+    assert runtime.cdiv(n, 7) == triton.cdiv(n, 7) and runtime.cdiv(0, 7) == 0
+
+
+def test_launch_settings_are_computed_once_per_shape_and_device():
+    """An eager call asks for its settings every time: the second ask of a shape is the first answer, kept."""
+    for settings in (
+        lambda: runtime.row_launch(37, 96),
+        lambda: runtime.persistent_row_launch(37, 96, stream_bytes=8),
+        lambda: runtime.streaming_row_launch(37, 1000),
+        lambda: runtime.column_sum_launch(4, 96),
+        lambda: runtime.elementwise_launch(4096),
+    ):
+        assert settings() is settings()
+    assert runtime.row_launch(37, 96, hardware=H200) is not runtime.row_launch(37, 96)
+    assert runtime.hardware() is runtime.hardware(runtime.DEVICE)
+
+
+def test_skip_launches_leaves_the_outputs_unwritten_and_runs_the_rest():
+    """The host-time benchmark's switch: inside, no kernel runs (the output keeps what it held), a bad argument is
+    still a ValueError; outside, the kernel runs again."""
+    x, weight = torch.randn(5, 16, device=runtime.DEVICE), torch.ones(16, device=runtime.DEVICE)
+    with runtime.skip_launches():
+        y = liger_lab.layer_norm(x, weight, weight)
+        with pytest.raises(ValueError, match="weight has shape"):
+            liger_lab.layer_norm(x, weight[:3], weight)
+    assert y.shape == x.shape
+    expected = torch.nn.functional.layer_norm(x, (16,), weight, weight)
+    torch.testing.assert_close(liger_lab.layer_norm(x, weight, weight), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_every_public_name_of_the_old_module_is_still_there():
+    """The package split into device, launch and timing keeps the names code reads from ``liger_lab.runtime``."""
+    names = ("BACKEND DEVICE HOST_READS_WAIT INTERPRET MAX_ROW_SIZE ElementwiseLaunch RowLaunch check_device describe "
+             "device_context elementwise_launch kernel_times_ms launch_kernel measure_graph_ms measure_kernel_sum_ms "
+             "measure_ms peak_memory_bytes persistent_row_launch pick read_later row_launch shared_memory_bytes "
+             "sm_count streaming_row_launch synchronize timer_label column_sum_launch triton").split()  # fmt: skip
+    assert [name for name in names if not hasattr(runtime, name)] == []
 
 
 def test_read_later_returns_the_values():
@@ -96,9 +137,8 @@ def test_kernel_sum_clock():
 
 
 @pytest.mark.parametrize("n_rows,n_cols", [(1, 1), (132, 8192), (300, 100)])
-def test_column_sum_strips_cover_every_column_and_row(monkeypatch, n_rows, n_cols):
-    monkeypatch.setattr(runtime, "INTERPRET", False)
-    launch = runtime.column_sum_launch(n_rows, n_cols)
+def test_column_sum_strips_cover_every_column_and_row(n_rows, n_cols):
+    launch = runtime.column_sum_launch(n_rows, n_cols, hardware=H200)
     assert launch.grid * launch.block_n >= n_cols > (launch.grid - 1) * launch.block_n
     assert launch.rows >= min(n_rows, 256)  # an SM count's partial rows in one step
 

@@ -1,24 +1,16 @@
 import pytest
 import torch
-from helpers import OpCalls, non_contiguous, randn, row_strided
+from helpers import OpCalls, check_op, non_contiguous, randn, row_strided
 from torch.utils.checkpoint import checkpoint
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference
 from liger_lab.nn import GeGLUMLP, SwiGLUMLP
 
 # The interpreter evaluates exp with numpy, which warns when a saturated sigmoid's exp overflows to inf.
 saturating = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 OPS = {"swiglu": (liger_lab.swiglu, reference.swiglu), "geglu": (liger_lab.geglu, reference.geglu)}
-
-
-def _check(op, gate, up, tol=None, **kwargs):
-    ours, theirs = OPS[op]
-    return check_against_reference(
-        op, lambda g, u: ours(g, u, **kwargs), theirs, [gate, up], input_names=["gate", "up"], tol=tol
-    )
 
 
 def _grads(fn, gate, up, upstream, **kwargs):
@@ -32,14 +24,14 @@ def _grads(fn, gate, up, upstream, **kwargs):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("shape", [(8, 64), (1,), (1, 1), (5, 1000), (3, 7, 96), (130, 33), (4099,), (2, 3, 5, 7)])
 def test_matches_float64_fp32(op, shape):
-    assert _check(op, randn(*shape), randn(*shape))
+    assert check_op(op, randn(*shape), randn(*shape))
 
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("shape", [(33, 257), (3, 5, 41)])
 def test_fp16(op, shape):
     gate, up = randn(*shape, dtype=torch.float16), randn(*shape, dtype=torch.float16)
-    assert _check(op, gate, up)
+    assert check_op(op, gate, up)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -48,9 +40,9 @@ def test_fp16(op, shape):
 def test_non_contiguous_inputs(op, in_place, layout):
     gate, up = layout(randn(24, 48)), layout(randn(24, 48))
     assert not gate.is_contiguous() and not up.is_contiguous()
-    assert _check(op, gate, up, in_place_backward=in_place)
+    assert check_op(op, gate, up, in_place_backward=in_place)
     # One contiguous and one strided input.
-    assert _check(op, randn(*gate.shape), up, in_place_backward=in_place)
+    assert check_op(op, randn(*gate.shape), up, in_place_backward=in_place)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -74,7 +66,7 @@ def test_saturated_gate_is_finite_and_exact(op, dtype):
     signs = torch.where(torch.arange(64, device=runtime.DEVICE) % 2 == 0, 1.0, -1.0)
     gate = (signs * 30.0 + 0.1 * randn(64)).repeat(4, 1).to(dtype)
     up = randn(4, 64, dtype=dtype)
-    assert _check(op, gate, up)
+    assert check_op(op, gate, up)
     out, d_gate, d_up = _grads(ours, gate, up, torch.ones_like(up))
     assert torch.isfinite(out).all() and torch.isfinite(d_gate).all() and torch.isfinite(d_up).all()
 
@@ -197,7 +189,7 @@ def test_double_backward_is_refused():
     gate, up = randn(4, 8).requires_grad_(), randn(4, 8).requires_grad_()
     upstream = randn(4, 8).requires_grad_()
     (d_gate,) = torch.autograd.grad(liger_lab.swiglu(gate, up), gate, upstream, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice|no autograd formula"):
+    with pytest.raises(RuntimeError, match=r"liger_lab\.glu has no second derivative"):
         d_gate.sum().backward()
 
 
@@ -323,7 +315,7 @@ def test_cpu_tensor_on_gpu_run_is_a_value_error():
 @pytest.mark.parametrize("in_place", [False, True])
 def test_bf16_on_gpu(op, shape, in_place):
     gate, up = randn(*shape, dtype=torch.bfloat16), randn(*shape, dtype=torch.bfloat16)
-    assert _check(op, gate, up, in_place_backward=in_place)
+    assert check_op(op, gate, up, in_place_backward=in_place)
 
 
 @pytest.mark.cuda

@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from liger_lab.chapters import exercises_in
+from liger_lab.workbook.chapters import exercises_in
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted(p.name for p in (ROOT / "chapters").glob("*.ipynb"))

@@ -1,10 +1,14 @@
-"""Pieces every op shares: input checks that raise clear errors, row views, partial-sum reductions."""
+"""Pieces every op shares: input checks that raise clear errors, row views, partial-sum reductions.
+
+The checks run on every eager call, so they stay cheap: plain attribute tests, no tensor operation and no read of a
+value on the GPU (a check that needs values runs where ``runtime.HOST_READS_WAIT`` is false)."""
 
 from __future__ import annotations
 
 import math
 import sys
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -22,7 +26,8 @@ def check_float(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{name} has dtype {tensor.dtype}: expected torch.float32, torch.float16 or torch.bfloat16")
-    runtime.check_device(**{name: tensor})
+    if tensor.device.type != runtime.DEVICE.type:
+        runtime.check_device(**{name: tensor})
 
 
 def check_same_dtype(**tensors: torch.Tensor) -> None:
@@ -86,6 +91,26 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View ``x`` as (rows, last dim) with unit stride along the row; copies only when it must."""
     rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # not -1: that is ambiguous for a last dim of 0
     return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
+
+
+class Rows(NamedTuple):
+    """A tensor as the row kernels walk it: ``data`` (its first element is row 0's first), ``n_rows`` rows of
+    ``n_cols`` elements, ``stride`` elements from one row to the next, unit stride along a row."""
+
+    data: torch.Tensor
+    n_rows: int
+    n_cols: int
+    stride: int
+
+
+def rows_of(x: torch.Tensor) -> Rows:
+    """``x`` as (rows, last dim) for a kernel. A contiguous ``x`` is such rows as it stands, whatever its rank: no
+    view is made, which spares an operator call on every eager call. Otherwise :func:`as_rows`' view (or copy)."""
+    n_cols = x.shape[-1]
+    if x.is_contiguous():  # rows n_cols apart by definition (not stride(-2): a size-1 dim may have any stride)
+        return Rows(x, math.prod(x.shape[:-1]), n_cols, n_cols)
+    rows = as_rows(x)
+    return Rows(rows, rows.shape[0], n_cols, rows.stride(0))
 
 
 def row_op_in_layout(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -170,20 +195,22 @@ def _sum_partials_kernel(
         tl.store(second, total.to(second_out_ptr.dtype.element_ty), mask=col_mask & (cols >= n_cols))
 
 
-def sum_partials(partials: torch.Tensor, dtype: torch.dtype, outputs: int = 1) -> tuple[torch.Tensor, ...]:
+def sum_partials(
+    partials: torch.Tensor, dtype: torch.dtype, outputs: int = 1, *, out: tuple[torch.Tensor, ...] | None = None
+) -> tuple[torch.Tensor, ...]:
     """Finish a cross-program reduction: (programs, outputs * n) fp32 partial sums, one contiguous row per
     program holding ``outputs`` vectors of n side by side (1 or 2: LayerNorm's dw and db) -> that many (n,)
-    tensors in ``dtype``, summed in fp32 and rounded once.
+    tensors in ``dtype``, summed in fp32 and rounded once, into ``out`` when given (contiguous (n,) buffers).
 
     One launch: this runs after every norm's backward, where its work (a few MiB, from L2) is small beside the
-    fixed cost of a kernel. Two torch calls per vector (a sum, then a cast) measured 5 us each on an H200 under
-    CUDA-graph replay; this kernel 2 us for both of LayerNorm's (benchmarks/notes/layer_norm.md)."""
+    fixed cost of a kernel; two torch calls per vector (a sum, then a cast) measured slower on an H200 under
+    CUDA-graph replay (benchmarks/notes/layer_norm.md)."""
     if outputs not in (1, 2) or partials.dim() != 2 or partials.shape[1] % outputs or not partials.is_contiguous():
         raise ValueError(f"expected contiguous (programs, outputs * n) partials with 1 or 2 outputs, got "
                          f"{tuple(partials.shape)} and {outputs}")  # fmt: skip
     n_programs, width = partials.shape
     n_cols = width // outputs
-    sums = tuple(torch.empty(n_cols, dtype=dtype, device=partials.device) for _ in range(outputs))
+    sums = out or tuple(partials.new_empty(n_cols, dtype=dtype) for _ in range(outputs))
     if n_programs == 0 or n_cols == 0:
         return tuple(s.zero_() for s in sums)
     launch = runtime.column_sum_launch(n_programs, width)

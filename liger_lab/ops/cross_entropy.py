@@ -19,24 +19,34 @@ Bytes: the gradient has the logits' shape, and a (tokens x 128k) bf16 logits ten
 program per row reads the row once for the statistics (pass 1), then reads it again and writes the
 gradient *over it* (pass 2): no logits-sized buffer is ever allocated. Pass 2 walks the row backwards,
 so the blocks pass 1 read last, the likeliest to still be in L2, are read first, and eviction hints keep
-pass 1's blocks in L2 ahead of the gradient being written: on an H200 the kernel goes from three HBM
-passes' time (1.65 ms at 8192 x 128k) to 1.42 ms. The backward only multiplies the buffer by the
-upstream gradient, and skips even that when it is exactly 1 (a plain ``loss.backward()``).
+pass 1's blocks in L2 ahead of the gradient being written: on an H200 that brought the kernel below three HBM
+passes' time (benchmarks/notes/cross_entropy.md). The backward only multiplies the buffer by the upstream
+gradient, and skips even that when it is exactly 1 (a plain ``loss.backward()``).
 
-Targets are checked (count of kept rows, any class index out of range) by a small kernel whose result
-the host reads only after the big kernel is queued, so the GPU never waits for the host in between.
+Targets are counted on the device (kept rows, any class index out of range) by a small kernel. Where reading
+its counts costs the host nothing (``runtime.HOST_READS_WAIT`` false: the interpreter) an index out of range is a
+ValueError before the loss kernel writes anything. On the GPU the host never reads them: that would wait for the
+GPU every step and keep the step out of CUDA graphs. There the loss kernel writes NaN losses and a NaN gradient
+when a target is out of range, as the fused losses give.
+
+**Operators** (:func:`liger_lab.ops.operators.define`): ``liger_lab::cross_entropy`` (per-row losses, the gradient
+into a fresh buffer, the counts) and its twin ``cross_entropy_`` (the gradient over the logits) come from one
+declaration; ``liger_lab::scale_rows_`` scales a gradient in place in the backward. The reduction and the factor
+the gradient still owes are plain torch code around them (:func:`finish_loss`). Launch settings:
+:func:`liger_lab.runtime.streaming_row_launch`, measured in benchmarks/notes/cross_entropy.md.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from liger_lab import runtime
+from liger_lab.ops import operators
 from liger_lab.ops.common import as_rows, check_float, in_place_requested, row_count, rows_to_overwrite
 from liger_lab.ops.logsumexp import online_lse_step
 
@@ -54,8 +64,8 @@ def _cross_entropy_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index).to(tl.int64)
-    # An out-of-range target raises a ValueError on the host once the count kernel's result arrives,
-    # which may be after this kernel started: such a row is skipped here, never read out of bounds.
+    # An out-of-range target (a ValueError on the host where reading the counts is free, NaN on the GPU) is
+    # skipped here, never read out of bounds.
     valid = row_mask & (target != ignore_index) & (target >= 0) & (target < n_cols)
     row_ptr = z_ptr + rows.to(tl.int64) * z_row_stride  # int64: 16k rows x 128k columns passes 2**31
     grad_row_ptr = grad_ptr + rows.to(tl.int64) * grad_row_stride
@@ -90,17 +100,17 @@ def _cross_entropy_kernel(
         loss = (1 - label_smoothing) * loss + label_smoothing * ((m - z_sum / n_cols) + log_s)
     if Z_LOSS:
         loss += z_loss_scale * lse * lse
-    tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
-
-    # A target out of range anywhere (counted by the small kernel that ran before this one) means the
-    # call raises a ValueError: then no gradient is written, so the caller's logits stay intact.
+    # A target out of range anywhere (counted by the small kernel that ran before this one, where the host did not
+    # check them: the GPU): every loss and every gradient element is NaN, never a plausible number.
     no_bad_target = True
     if COUNTS:
         no_bad_target = tl.load(count_ptr + 1) == 0
-    if WRITE_GRAD and no_bad_target:
+    tl.store(loss_ptr + rows, tl.where(no_bad_target, tl.where(valid, loss, 0.0), float("nan")), mask=row_mask)
+
+    if WRITE_GRAD:
         # Pass 2: the gradient, into grad (which may be the logits themselves: this program has read
         # everything it needs from this row already). Ignored rows get exact zeros.
-        coef = tl.where(valid, grad_scale, 0.0)
+        coef = tl.where(no_bad_target, tl.where(valid, grad_scale, 0.0), float("nan"))
         if DIVIDE_BY_COUNT:  # a mean's 1 / (rows kept), counted on the GPU
             coef /= tl.maximum(tl.load(count_ptr), 1).to(tl.float32)
         if ROW_SCALE:
@@ -193,6 +203,10 @@ class LossOptions:
     softcap: float | None = None
     z_loss_scale: float = 0.0
 
+    def fields(self) -> tuple[int, float, str, float | None, float]:
+        """The fields in the operators' order (spelled out: ``dataclasses.astuple`` copies deeply, on every call)."""
+        return self.ignore_index, self.label_smoothing, self.reduction, self.softcap, self.z_loss_scale
+
 
 def check_loss_options(options: LossOptions) -> None:
     index = options.ignore_index
@@ -219,13 +233,20 @@ def check_target_tensor(target: torch.Tensor, expected_shape: torch.Size) -> Non
         raise ValueError(f"target has shape {tuple(target.shape)}: expected {tuple(expected_shape)}")
 
 
+_COUNT_BLOCK = runtime.pick(cpu=2**16, gpu=4096)
+"""Targets the count kernel's one program reads per step: the interpreter pays per step, the GPU per register."""
+
+
+def _count_targets_into(flat_target: torch.Tensor, n_classes: int, ignore_index: int, counts: torch.Tensor) -> None:
+    runtime.launch_kernel(_count_targets_kernel, (1,),
+        flat_target, flat_target.numel(), ignore_index, n_classes, counts, BLOCK=_COUNT_BLOCK,
+    )  # fmt: skip
+
+
 def count_targets(flat_target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
     """One small kernel: int64 [kept, out of range, smallest kept, largest kept] on the target's device."""
-    counts = torch.empty(4, dtype=torch.int64, device=flat_target.device)
-    block = runtime.pick(cpu=2**16, gpu=4096)
-    runtime.launch_kernel(
-        _count_targets_kernel, (1,), flat_target, flat_target.numel(), ignore_index, n_classes, counts, BLOCK=block
-    )
+    counts = flat_target.new_empty(4, dtype=torch.int64)
+    _count_targets_into(flat_target, n_classes, ignore_index, counts)
     return counts
 
 
@@ -278,10 +299,10 @@ def cross_entropy_rows(
 ) -> None:
     """Launch the kernel on a (rows, V) view with unit column stride: per-row fp32 losses into ``loss``;
     when ``grad`` (rows, V) is given (it may be ``logits`` itself), the gradient times ``grad_scale``
-    (times ``row_scale[r]`` when given) into it. ``counts`` from :func:`count_targets`, when given: no
-    gradient is written if any target is out of range, and ``divide_by_count`` divides it by the kept
-    count (a mean's 1/n, read on the GPU). ``launch``: the tiling, :func:`liger_lab.runtime.streaming_row_launch`'s
-    by default (a sweep passes its own)."""
+    (times ``row_scale[r]`` when given) into it. ``counts`` from :func:`count_targets`, when given: every loss
+    and gradient element is NaN if any target is out of range (checked nowhere else on the GPU), and
+    ``divide_by_count`` divides the gradient by the kept count (a mean's 1/n, read on the GPU). ``launch``: the
+    tiling, :func:`liger_lab.runtime.streaming_row_launch`'s by default (a sweep passes its own)."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -323,48 +344,28 @@ def reduce_loss(loss: torch.Tensor, reduction: str, n_valid: torch.Tensor, shape
     return total / n_valid.clamp(min=1) if reduction == "mean" else total
 
 
-def _cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, options: LossOptions, grad: torch.Tensor | None
+def finish_loss(
+    loss: torch.Tensor, counts: torch.Tensor, options: LossOptions, dtype: torch.dtype, shape: torch.Size
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the loss on ``logits`` (rows, V), the gradient into ``grad`` (rows, V) when given (which may be
-    ``logits``). Returns (fp32 loss, reduced as asked; the fp32 factor the backward still owes the
-    gradient, 1 or 1/kept). Raises ValueError on a target out of range, with ``grad`` left unwritten."""
-    n_classes = logits.shape[1]
-    loss = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-    flat_target = target.reshape(-1).contiguous()
-    counts = count_targets(flat_target, n_classes, options.ignore_index)
-    read_counts = runtime.read_later(counts)
-    mean = options.reduction == "mean"
-    # The 1/n of a mean goes into the stored gradient (so a plain backward has nothing left to do), except
-    # in fp16: p / n ~ 1e-9 for 8192 tokens over a 128k vocabulary underflows (fp16 stops at 6e-8), so
-    # fp16 stores softmax - onehot and the backward applies 1/n with the upstream gradient.
-    mean_in_kernel = mean and logits.dtype != torch.float16
-    cross_entropy_rows(
-        logits, flat_target, loss, options, grad=grad, counts=counts, divide_by_count=mean_in_kernel
-    )  # fmt: skip
-    kept_count(read_counts(), n_classes, options.ignore_index)
-    total = reduce_loss(loss, options.reduction, counts[0], target.shape)
-    # Made on the device from the count, not copied from a host float: a copy from pageable host memory
-    # waits for the kernel above, and the GPU would then idle while the host launches the rest.
-    owed = torch.ones((), dtype=torch.float32, device=logits.device)
-    if mean and not mean_in_kernel:
-        owed = owed / counts[0].clamp(min=1)
-    return total, owed
-
-
-def _loss_like(logits: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
-    """The fp32 loss the op returns: one per row for reduction="none", else a scalar."""
-    return logits.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
+    """Per-row fp32 losses and :func:`count_targets`' counts -> (the fp32 loss, reduced as asked; the fp32 factor
+    the gradient still owes besides the upstream gradient). A mean's 1/n is in the stored gradient (so a plain
+    backward has nothing left to do) except in fp16: p / n ~ 1e-9 for 8192 tokens over a 128k vocabulary
+    underflows (fp16 stops at 6e-8), so fp16 stores softmax - onehot and owes 1/n. (A target out of range on the
+    GPU: the kernel already made the losses and the gradient NaN.)"""
+    total = reduce_loss(loss, options.reduction, counts[0], shape)
+    if options.reduction == "mean" and dtype == torch.float16:
+        return total, 1.0 / counts[0].clamp(min=1).to(torch.float32)
+    # Made on the device, not copied from a host float: a copy from pageable host memory waits for the kernels.
+    return total, loss.new_ones(())
 
 
 # --------------------------------------------------------------------------------------------------
-# PyTorch operators (see liger_lab/ops/rms_norm.py). The default op writes the gradient into a fresh
-# buffer; the in-place variant, which writes it over the caller's logits, is a mutating op. Neither has a
-# registered autograd formula: CrossEntropyFunction below is their autograd.
+# PyTorch operators (liger_lab.ops.operators). The default writes the gradient into a fresh buffer; its twin,
+# which writes it over the caller's logits, comes from the same declaration. Neither has a registered autograd
+# formula: CrossEntropyFunction below is their autograd.
 
 
-@torch.library.custom_op("liger_lab::cross_entropy", mutates_args=())
-def cross_entropy_op(
+def _cross_entropy_into(
     logits: torch.Tensor,
     target: torch.Tensor,
     ignore_index: int,
@@ -373,51 +374,45 @@ def cross_entropy_op(
     softcap: float | None,
     z_loss_scale: float,
     compute_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 loss, gradient (rows, V) or an empty tensor, fp32 factor the backward still owes it)."""
+    loss: torch.Tensor,
+    grad: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
+    """Per-row fp32 losses, the gradient (rows, V) when ``compute_grad`` (the twin: over the logits, which then have
+    unit column stride and rows apart) and the target counts. A target out of range is a ValueError before the loss
+    kernel where reading the counts is free (:func:`check_target`); on the GPU the kernel makes everything NaN."""
     options = LossOptions(ignore_index, label_smoothing, reduction, softcap, z_loss_scale)
     rows = as_rows(logits)
-    grad = torch.empty(rows.shape if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
-    loss, owed = _cross_entropy(rows, target, options, grad if compute_grad else None)
-    return loss, grad, owed
+    n_classes = rows.shape[1]
+    flat_target = target.reshape(-1).contiguous()
+    _count_targets_into(flat_target, n_classes, ignore_index, counts)
+    if not runtime.HOST_READS_WAIT:
+        kept_count(counts.tolist(), n_classes, ignore_index)
+    cross_entropy_rows(
+        rows, flat_target, loss, options, grad=grad.view(rows.shape) if compute_grad else None, counts=counts,
+        divide_by_count=reduction == "mean" and logits.dtype != torch.float16,
+    )  # fmt: skip
 
 
-@cross_entropy_op.register_fake
-def _(logits, target, ignore_index, label_smoothing, reduction, softcap, z_loss_scale, compute_grad):
-    rows = row_count(logits)
-    grad = logits.new_empty((rows, logits.shape[-1]) if compute_grad else (0,))
-    return _loss_like(logits, target, reduction), grad, logits.new_empty((), dtype=torch.float32)
+CROSS_ENTROPY = operators.define(
+    "cross_entropy",
+    _cross_entropy_into,
+    outputs={
+        "loss": lambda logits, *_: logits.new_empty(row_count(logits), dtype=torch.float32),
+        "grad": lambda logits, *args: logits.new_empty((row_count(logits), logits.shape[-1]) if args[-1] else (0,)),
+        "counts": lambda logits, *_: logits.new_empty(4, dtype=torch.int64),
+    },
+    in_place={"grad": "logits"},
+)
 
 
-@torch.library.custom_op("liger_lab::cross_entropy_", mutates_args=("logits",))
-def cross_entropy_in_place_op(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    reduction: str,
-    softcap: float | None,
-    z_loss_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 loss, owed factor), the gradient written over ``logits`` (unit column stride, rows apart)."""
-    options = LossOptions(ignore_index, label_smoothing, reduction, softcap, z_loss_scale)
-    rows = rows_to_overwrite(logits)
-    return _cross_entropy(rows, target, options, rows)
-
-
-@cross_entropy_in_place_op.register_fake
-def _(logits, target, ignore_index, label_smoothing, reduction, softcap, z_loss_scale):
-    return _loss_like(logits, target, reduction), logits.new_empty((), dtype=torch.float32)
-
-
-@torch.library.custom_op("liger_lab::scale_rows_", mutates_args=("x",))
-def scale_rows_in_place_op(x: torch.Tensor, scale: torch.Tensor) -> None:
+def _scale_rows_into(x: torch.Tensor, scale: torch.Tensor) -> None:
     """x *= scale, for ``x`` (..., n) with unit column stride and a scalar or per-row ``scale``; skipped on
     the GPU when the scale is exactly 1."""
     scale_rows(rows_to_overwrite(x), scale)
 
 
-scale_rows_in_place_op.register_fake(lambda x, scale: None)
+SCALE_ROWS_IN_PLACE = operators.define("scale_rows_", _scale_rows_into, outputs={}, mutates=("x",))
 
 
 def refuse_second_derivative(name: str) -> None:
@@ -445,7 +440,7 @@ def save_gradient(ctx, grad: torch.Tensor, owed: torch.Tensor, shape: torch.Size
 def scaled_gradient(ctx, grad_loss: torch.Tensor) -> torch.Tensor:
     """The saved gradient times the upstream gradient, scaled in place, in the input's shape."""
     grad, owed = ctx.saved_tensors
-    torch.ops.liger_lab.scale_rows_(grad, grad_loss.float() * owed)
+    SCALE_ROWS_IN_PLACE(grad, grad_loss.float() * owed)
     # detach(): a fresh tensor object, so a leaf's .grad is never the leaf itself (in place: its memory)
     return grad.view(ctx.grad_shape).detach()
 
@@ -459,14 +454,15 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, options, in_place):
         if in_place:
-            loss, owed = torch.ops.liger_lab.cross_entropy_(logits, target, *astuple(options))
+            loss, counts = CROSS_ENTROPY.in_place(logits, target, *options.fields(), True)
             # The logits now hold their gradient (the op bumped their version: a node that saved them for
             # its own backward gets autograd's "modified by an inplace operation" error instead).
             grad = logits.detach()
         else:
-            loss, grad, owed = torch.ops.liger_lab.cross_entropy(logits, target, *astuple(options), True)
+            loss, grad, counts = CROSS_ENTROPY(logits, target, *options.fields(), True)
+        total, owed = finish_loss(loss, counts, options, logits.dtype, target.shape)
         save_gradient(ctx, grad, owed, logits.shape)
-        return loss
+        return total
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -500,7 +496,9 @@ def cross_entropy(
     stride, overlapping rows) take the default path instead. A node that saved these logits for its own
     backward then raises PyTorch's "modified by an inplace operation" error instead of going wrong.
     Under ``torch.compile`` the option changes nothing: the compiler plans the buffers itself. A target
-    out of range raises ValueError in either mode with every caller tensor left untouched.
+    out of range raises ValueError in either mode with every caller tensor left untouched where the check costs
+    nothing (Triton's interpreter); on the GPU, where it would make the host wait for the device, the loss and the
+    gradient come out NaN instead.
     """
     options = LossOptions(ignore_index, float(label_smoothing), reduction, softcap, float(z_loss_scale))
     check_loss_options(options)
@@ -513,5 +511,6 @@ def cross_entropy(
         in_place = in_place_requested(in_place_backward) and rows_to_overwrite(logits) is not None
         loss = CrossEntropyFunction.apply(logits, target, options, in_place)
     else:
-        loss = torch.ops.liger_lab.cross_entropy(logits, target, *astuple(options), False)[0]
+        loss, _, counts = CROSS_ENTROPY(logits, target, *options.fields(), False)
+        loss = finish_loss(loss, counts, options, logits.dtype, target.shape)[0]
     return loss.to(logits.dtype)

@@ -27,7 +27,7 @@ and z = h_s W_s^T is linear, so with G the C x V block of g::
 n is counted on the device and never read by the host (that would wait for the GPU every step): in fp32 the
 kernel multiplies G by 1/n before rounding it; in fp16 and bf16 G stays unscaled (fp16 would underflow, bf16
 would round a confident teacher's -1/n alike for every row), the matmuls take 1/N and the backward multiplies
-the gradients by N/n with the upstream gradient (:func:`liger_lab.ops.fused_linear_cross_entropy.mean_over_kept`).
+the gradients by N/n with the upstream gradient (:func:`liger_lab.ops.chunked.mean_over_kept`).
 Nothing flows into y: the teacher's hidden states and weight get no gradient. As in the fused linear
 cross-entropy, the gradients are made in the forward, so the backward only multiplies them by the incoming
 scalar gradient (skipped when it is exactly 1). FLOPs: 2 N H_t V for the teacher's logits plus 6 N H_s V for
@@ -35,34 +35,26 @@ the student's logits and both gradients.
 
 **Memory.** Two chunk buffers of C x V (student and teacher, each in its own dtype), the student's N x H_s
 hidden gradient, and dW_s (fp32 when ``accumulation`` allows, see
-:mod:`liger_lab.ops.fused_linear_cross_entropy`). :data:`CHUNK_BUDGET_BYTES` bounds the first two and the
+:func:`liger_lab.ops.chunked.accumulation_dtype`). :data:`CHUNK_BUDGET_BYTES` bounds the first two and the
 hidden gradient together: C is the largest multiple of 64 rows that fits (at least 64, at most N). At N = 8192,
 H = 4096, V = 128256, bf16, the default 832 MiB budget less the 64 MiB hidden gradient gives C = 1536 (6
 chunks, each buffer 376 MiB; dW in bf16 there: 2 GiB of fp32 does not fit). That is larger than the
 cross-entropy's chunk because the JSD kernel gives each row one program: a chunk of a few hundred rows is a
-wave and a half of programs on 132 SMs, and the half-empty last wave costs more than the smaller chunks save.
-Measured on an H200 (benchmarks/results/h200-sweep-fljsd-chunks.json, forward+backward): 832 rows per chunk
-65.4 ms at 1473 MiB, 1320 to 2112 rows 59.4 to 59.9 ms at 1712 to 2099 MiB.
+wave and a half of programs on 132 SMs, and the half-empty last wave costs more than the smaller chunks save
+(benchmarks/notes/distillation_and_preference.md holds the H200 sweep of chunk sizes behind the budget). The
+operator, its gradients and their backward are the skeleton's (:mod:`liger_lab.ops.chunked`): this module is the
+chunk step (the teacher's logits and the divergence kernel), its chunk rule and its validation.
 """
 
 from __future__ import annotations
 
 import torch
 
-from liger_lab.ops.chunked import ChunkGrads, chunked_linear_loss
-from liger_lab.ops.common import check_float, row_count
-from liger_lab.ops.cross_entropy import refuse_second_derivative  # (also registers liger_lab::scale_rows_)
-from liger_lab.ops.fused_linear_cross_entropy import (
-    CHUNK_ALIGN,
-    MIB,
-    accumulation_dtype,
-    check_chunk_options,
-    finish_grads,
-    mean_over_kept,
-)
+from liger_lab.ops import chunked
 from liger_lab.ops.jsd import check_jsd_options, check_num_items, check_target, jsd_rows, kept_rows
+from liger_lab.ops.operators import define
 
-CHUNK_BUDGET_BYTES = 832 * MIB
+CHUNK_BUDGET_BYTES = 832 * chunked.MIB
 """Bytes of temporaries per call: the student's and the teacher's chunk of logits, plus the student's hidden
 gradient when it is asked for (see the module docstring for the choice)."""
 
@@ -79,37 +71,33 @@ def chunk_rows_for(
     """Rows per chunk: the largest multiple of 64 whose two C x V chunks (student's and teacher's logits,
     each in its dtype) fit in ``budget`` bytes (default :data:`CHUNK_BUDGET_BYTES`) less ``other_bytes``
     (the hidden gradient's buffer, when there is one); at least 64, at most ``n_rows``."""
-    budget = (CHUNK_BUDGET_BYTES if budget is None else budget) - other_bytes
-    row_bytes = vocab * sum(torch.empty((), dtype=dtype).element_size() for dtype in (student_dtype, teacher_dtype))
-    fitting = max(budget, 0) // row_bytes
-    chunk = max(CHUNK_ALIGN, fitting // CHUNK_ALIGN * CHUNK_ALIGN)
-    return max(1, min(chunk, n_rows))
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """(rows, H) view (or copy) of hidden states (..., H)."""
-    return x.reshape(x.shape[:-1].numel(), x.shape[-1])
+    budget = CHUNK_BUDGET_BYTES if budget is None else budget
+    row_bytes = vocab * (student_dtype.itemsize + teacher_dtype.itemsize)
+    return chunked.rows_per_chunk(n_rows, row_bytes, budget, other_bytes=other_bytes)
 
 
 def _forward(
-    student_hidden, student_weight, teacher_hidden, teacher_weight, target, beta, temperature, ignore_index,
-    chunk_tokens, accumulation, needs, num_items=None,
-):  # fmt: skip
-    """(fp32 loss: the mean over kept rows, or their sum over ``num_items``; dh_s (rows, H_s) or None, dW_s
-    accumulator or None, the fp32 factor the gradients still owe besides the upstream gradient). The kept count
-    stays on the device (see mean_over_kept)."""
-    student, teacher = _rows(student_hidden), _rows(teacher_hidden)
+    student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor, target: torch.Tensor | None, num_items: torch.Tensor | None, beta: float,
+    temperature: float, ignore_index: int, chunk_tokens: int | None, accumulation: str, needs: list[bool],
+    loss: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor, grad_bias: torch.Tensor,
+    owed: torch.Tensor,
+) -> None:  # fmt: skip
+    """The operator's work, into its outputs: the fp32 loss (the mean over kept rows, or their sum over
+    ``num_items``), the student's gradients ``needs`` asks for, and the fp32 factor they still owe besides the
+    upstream gradient. The kept count stays on the device (see mean_over_kept)."""
+    student, flat_target = chunked.token_rows(student_hidden, target)
+    teacher, _ = chunked.token_rows(teacher_hidden)
     n_rows, vocab, device = student.shape[0], student_weight.shape[0], student.device
-    flat_target = None if target is None else target.reshape(-1).contiguous()
     kept = kept_rows(flat_target, n_rows, ignore_index, num_items, device)
-    divide, grad_scale, owed = mean_over_kept(kept, n_rows, student.dtype)
+    divide, grad_scale, kept_factor = chunked.mean_over_kept(kept, n_rows, student.dtype)
     if num_items is not None and not divide:  # mean_over_kept clamps a count at 1; a normalizer may be below it
-        owed = max(n_rows, 1) / kept
-    need_h, need_w = bool(needs[0]), bool(needs[1])
+        kept_factor = max(n_rows, 1) / kept
+    owed.copy_(kept_factor)
     if chunk_tokens is None:
-        other = student.numel() * student.element_size() if need_h else 0
+        other = student.numel() * student.element_size() if needs[0] else 0
         chunk_tokens = chunk_rows_for(n_rows, vocab, student.dtype, teacher.dtype, other_bytes=other)
-    loss = torch.empty(n_rows, dtype=torch.float32, device=device)
+    losses = torch.empty(n_rows, dtype=torch.float32, device=device)
     teacher_logits = torch.empty(min(chunk_tokens, n_rows), vocab, dtype=teacher.dtype, device=device)
     # dd/dz times 1 / kept in the kernel's fp32 registers (fp32), or unscaled (see mean_over_kept).
     dz_scale = 1.0 / kept if divide else torch.ones((), dtype=torch.float32, device=device)
@@ -119,131 +107,29 @@ def _forward(
         torch.mm(teacher[rows], teacher_weight.t(), out=y)
         rows_target = None if flat_target is None else flat_target[rows]
         jsd_rows(
-            z, y, rows_target, loss[rows], beta, temperature, ignore_index,
+            z, y, rows_target, losses[rows], beta, temperature, ignore_index,
             grad=z if write_grad else None, grad_scale=dz_scale,
         )  # fmt: skip
 
-    grads = None
-    if need_h or need_w:
-        grads = ChunkGrads(
-            hidden=need_h, weight=need_w, weight_grad_dtype=accumulation_dtype(student_weight, accumulation)
-        )
-    grad_h, grad_w, _ = chunked_linear_loss(
+    grads = chunked.ChunkGrads.asked(needs, grad_hidden, grad_weight, grad_bias)
+    chunked.chunked_linear_loss(
         student, student_weight, jsd_step, chunk=chunk_tokens, grads=grads, grad_scale=grad_scale
     )
-    return loss.sum() / kept, grad_h, grad_w, owed
+    torch.div(losses.sum(), kept, out=loss)
 
 
-# --------------------------------------------------------------------------------------------------
-# PyTorch operator (see liger_lab/ops/fused_linear_cross_entropy.py, whose pattern this follows): the
-# gradients are made in the forward and returned; FusedLinearJSDFunction below scales them in the backward.
-
-
-@torch.library.custom_op("liger_lab::fused_linear_jsd", mutates_args=())
-def fused_linear_jsd_op(
-    student_hidden: torch.Tensor,
-    student_weight: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_weight: torch.Tensor,
-    target: torch.Tensor | None,
-    num_items: torch.Tensor | None,
-    beta: float,
-    temperature: float,
-    ignore_index: int,
-    chunk_tokens: int | None,
-    accumulation: str,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 loss, dh_s (rows, H_s), dW_s accumulator, the fp32 factor they still owe); a gradient not in
-    ``needs`` (student hidden, student weight) is an empty tensor."""
-    loss, grad_h, grad_w, owed = _forward(
-        student_hidden, student_weight, teacher_hidden, teacher_weight, target, beta, temperature, ignore_index,
-        chunk_tokens, accumulation, needs, num_items,
-    )  # fmt: skip
-    # Operators return tensors, never None (and never one tensor twice: outputs may not alias each other).
-    grad_h = student_hidden.new_empty(0) if grad_h is None else grad_h
-    return loss, grad_h, student_hidden.new_empty(0) if grad_w is None else grad_w, owed
-
-
-@fused_linear_jsd_op.register_fake
-def _(student_hidden, student_weight, teacher_hidden, teacher_weight, target, num_items, beta, temperature,
-      ignore_index, chunk_tokens, accumulation, needs):  # fmt: skip
-    rows = row_count(student_hidden)
-    grad_h = student_hidden.new_empty((rows, student_hidden.shape[-1]) if needs[0] else (0,))
-    dtype = accumulation_dtype(student_weight, accumulation)
-    grad_w = student_weight.new_empty(student_weight.shape, dtype=dtype) if needs[1] else student_hidden.new_empty(0)
-    loss, owed = (student_hidden.new_empty((), dtype=torch.float32) for _ in range(2))
-    return loss, grad_h, grad_w, owed
-
-
-class FusedLinearJSDFunction(torch.autograd.Function):
-    """Autograd of ``liger_lab::fused_linear_jsd``: the gradients are made in the forward and the backward
-    scales them in place by the upstream gradient (an ``autograd.Function`` for the reason given in
-    FusedLinearCrossEntropyFunction). Only the student's hidden states and weight get gradients."""
-
-    @staticmethod
-    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, target, num_items, arguments):
-        loss, grad_h, grad_w, owed = torch.ops.liger_lab.fused_linear_jsd(
-            student_hidden, student_weight, teacher_hidden, teacher_weight, target, num_items, *arguments
-        )
-        needs = arguments[-1]
-        # The attributes finish_grads reads (it serves the fused cross-entropy too, which also has a bias).
-        ctx.needs, ctx.hidden_shape, ctx.weight_dtype = (
-            (needs[0], needs[1], False),
-            student_hidden.shape,
-            student_weight.dtype,
-        )
-        # Scaling in place bumps the gradients' versions: a second backward through the same graph fails with
-        # "modified by an inplace operation" instead of scaling them twice.
-        ctx.save_for_backward(grad_h, grad_w, owed)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        refuse_second_derivative("fused_linear_jsd")
-        grad_h, grad_w, owed = ctx.saved_tensors
-        grad_h, grad_w, _ = finish_grads(grad_h, grad_w, None, grad_loss, ctx, owed)
-        # detach(): a fresh tensor object, so a leaf's .grad is never the buffer the backward scaled
-        return None if grad_h is None else grad_h.detach(), grad_w, *(None,) * 5
-
-
-def _check_head(name: str, weight: torch.Tensor, hidden_name: str, hidden: torch.Tensor) -> None:
-    """A head weight (V, H) with V >= 1 and H the last dimension of its hidden states, in their dtype."""
-    check_float(name, weight)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise ValueError(
-            f"{name} has shape {tuple(weight.shape)}: expected (V, {hidden.shape[-1]}) with V >= 1, the hidden size "
-            f"being the last dimension of {hidden_name} {tuple(hidden.shape)}"
-        )
-    if weight.dtype != hidden.dtype:
-        raise ValueError(
-            f"{name} has dtype {weight.dtype}: expected {hidden_name}'s dtype {hidden.dtype} (one dtype per head, "
-            f"as torch.nn.functional.linear requires)"
-        )
+FUSED_LINEAR_JSD = define(
+    "fused_linear_jsd", _forward,
+    outputs={"loss": lambda hidden, *rest: hidden.new_empty((), dtype=torch.float32), **chunked.grad_outputs()},
+)  # fmt: skip
+_LOSS = chunked.FusedLoss("fused_linear_jsd", FUSED_LINEAR_JSD)
 
 
 def _check_inputs(student_hidden, student_weight, teacher_hidden, teacher_weight, target) -> None:
-    check_float("student_hidden", student_hidden)
-    check_float("teacher_hidden", teacher_hidden)
-    for name, hidden in (("student_hidden", student_hidden), ("teacher_hidden", teacher_hidden)):
-        if hidden.dim() == 0:
-            raise ValueError(f"{name} must have at least one dimension (the hidden size): expected (..., H)")
-    if teacher_hidden.shape[:-1] != student_hidden.shape[:-1]:
-        raise ValueError(
-            f"teacher_hidden has shape {tuple(teacher_hidden.shape)}: expected {tuple(student_hidden.shape[:-1])} "
-            f"rows like student_hidden {tuple(student_hidden.shape)} (the same tokens; the hidden sizes may differ)"
-        )
-    _check_head("student_weight", student_weight, "student_hidden", student_hidden)
-    _check_head("teacher_weight", teacher_weight, "teacher_hidden", teacher_hidden)
-    if teacher_weight.shape[0] != student_weight.shape[0]:
-        raise ValueError(
-            f"teacher_weight has shape {tuple(teacher_weight.shape)}: expected the student's vocabulary "
-            f"V = {student_weight.shape[0]} rows (student_weight {tuple(student_weight.shape)})"
-        )
-    for name, tensor in (("student_weight", student_weight), ("teacher_hidden", teacher_hidden),
-                         ("teacher_weight", teacher_weight)):  # fmt: skip
-        if tensor.device != student_hidden.device:
-            raise ValueError(f"{name} is on {tensor.device}: expected {student_hidden.device}, student_hidden's")
+    """Two heads over the same tokens and vocabulary, each of one dtype (they may differ), on one device."""
+    names = ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight")
+    chunked.check_head(student_hidden, student_weight, names=names[:2])
+    chunked.check_second_head(student_hidden, student_weight, teacher_hidden, teacher_weight, names=names)
     if target is not None:
         check_target(target, student_hidden, "student_hidden")
 
@@ -282,16 +168,8 @@ def fused_linear_jsd(
     """
     beta, temperature = check_jsd_options(beta, temperature, ignore_index)
     _check_inputs(student_hidden, student_weight, teacher_hidden, teacher_weight, target)
-    accumulation = check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
+    accumulation = chunked.check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
     num_items = check_num_items(num_items_in_batch, student_hidden.device)
-    grad_on = torch.is_grad_enabled()
-    needs = [grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad]
-    arguments = (beta, temperature, ignore_index, chunk_tokens, accumulation, needs)
-    teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
-    if any(needs):
-        return FusedLinearJSDFunction.apply(
-            student_hidden, student_weight, teacher_hidden, teacher_weight, target, num_items, arguments
-        )
-    return torch.ops.liger_lab.fused_linear_jsd(
-        student_hidden, student_weight, teacher_hidden, teacher_weight, target, num_items, *arguments
-    )[0]
+    needs = chunked.needed_grads(student_hidden, student_weight)
+    tensors = (student_hidden, student_weight, teacher_hidden.detach(), teacher_weight.detach(), target, num_items)
+    return chunked.run_loss(_LOSS, tensors, (beta, temperature, ignore_index, chunk_tokens, accumulation, needs))

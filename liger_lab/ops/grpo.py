@@ -41,7 +41,9 @@ depends on A and c alone). Sequence-level weights *with* old_logps need every se
 a first pass of the loop without gradients computes logp for every token (the forward kernel only), then the
 second pass is the one above: **4 matmuls** (8 N H V FLOPs). Chunks of whole sequences would avoid that pass,
 but a single long completion's logits can exceed any budget (T = 16384, V = 151936 in bf16: 4.6 GiB), so the
-loop keeps chunks of any size. The backward only multiplies the gradients by the incoming scalar.
+loop keeps chunks of any size, the fused cross-entropy's (:func:`liger_lab.ops.fused_linear_cross_entropy
+.chunk_rows`). The backward only multiplies the gradients by the incoming scalar (the skeleton's autograd,
+:class:`liger_lab.ops.chunked.GradsMadeInForward`).
 
 **Precision.** dz is written in the logits' dtype; its global factor 1 / (B T) (a bound on the token count,
 known on the host) rides on the matmuls' alpha, and the per-token scale is g B T, of order |A| r, so an fp16 dz
@@ -61,33 +63,21 @@ from dataclasses import dataclass
 
 import torch
 
-from liger_lab import runtime
-from liger_lab.ops.chunked import ChunkGrads, check_head, chunked_linear_loss
-from liger_lab.ops.common import same_shape
-from liger_lab.ops.cross_entropy import (  # (also registers liger_lab::scale_rows_, which the backward calls)
-    LossOptions,
-    check_loss_options,
-    check_target,
-    check_target_tensor,
-    refuse_second_derivative,
-)
-from liger_lab.ops.fused_linear_cross_entropy import accumulation_dtype, check_chunk_options, finish_grads
-from liger_lab.ops.logprobs import (
-    check_number,
-    chunk_rows,
-    empty_grads_like,
-    logprob_grad_rows,
-    logprob_rows,
-    token_rows,
-)
+from liger_lab.ops import chunked
+from liger_lab.ops.cross_entropy import LossOptions, check_loss_options, check_target, check_target_tensor
+from liger_lab.ops.fused_linear_cross_entropy import chunk_rows
+from liger_lab.ops.logprobs import logprob_grad_rows, logprob_rows
+from liger_lab.ops.operators import define
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+COMPLETIONS = "B completions of T tokens"
 
 
 @dataclass(frozen=True)
 class GRPOOptions:
-    """The scalars of one call, validated by :func:`fused_linear_grpo`."""
+    """The policy loss's scalars of one call (TRL's ``GRPOConfig`` fields), as :meth:`checked` makes them for the
+    kernel path and for the float64 reference (:func:`liger_lab.reference.fused_linear_grpo`) alike."""
 
     loss_type: str
     level: str
@@ -95,6 +85,25 @@ class GRPOOptions:
     epsilon_low: float
     epsilon_high: float
     delta: float | None
+
+    @classmethod
+    def checked(
+        cls, loss_type: str, level: str, beta: float, epsilon_low: float, epsilon_high: float | None,
+        delta: float | None,
+    ) -> GRPOOptions:  # fmt: skip
+        """Validated (ValueError naming the option), ``epsilon_high`` defaulting to ``epsilon_low`` as in TRL."""
+        epsilon_low = chunked.check_number("epsilon_low", epsilon_low, low=0.0)
+        return cls(
+            chunked.check_choice("loss_type", loss_type, LOSS_TYPES),
+            chunked.check_choice("importance_sampling_level", level, IMPORTANCE_SAMPLING_LEVELS),
+            chunked.check_number("beta", beta, low=0.0), epsilon_low,
+            epsilon_low if epsilon_high is None else chunked.check_number("epsilon_high", epsilon_high, low=0.0),
+            None if delta is None else chunked.check_number("delta", delta, positive=True),
+        )  # fmt: skip
+
+    def arguments(self) -> tuple[str, str, float, float, float, float | None]:
+        """The fields in the operator's order (spelled out: ``dataclasses.astuple`` would break a compiled graph)."""
+        return self.loss_type, self.level, self.beta, self.epsilon_low, self.epsilon_high, self.delta
 
 
 def policy_terms(ratio, adv, logp, o: GRPOOptions):
@@ -163,12 +172,21 @@ def _token_weights(mask, n_seq, loss_type, max_completion_length, num_items, num
     return kept.reshape(-1) / total.reshape(()).clamp(min=1)
 
 
-def _forward(hidden, weight, target, advantages, old_logps, ref_logps, num_items, o, temperature, ignore_index,
-             max_completion_length, num_items_value, chunk_tokens, accumulation, needs):  # fmt: skip
-    """(fp32 loss, dh (B T, H) or None, dW accumulator or None), gradients still owing the upstream gradient."""
+def _forward(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+    old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None, num_items: torch.Tensor | None, loss_type: str,
+    importance_sampling_level: str, beta: float, epsilon_low: float, epsilon_high: float, delta: float | None,
+    temperature: float, ignore_index: int, max_completion_length: int | None, num_items_value: float | None,
+    chunk_tokens: int | None, accumulation: str, needs: list[bool], loss: torch.Tensor, grad_hidden: torch.Tensor,
+    grad_weight: torch.Tensor, grad_bias: torch.Tensor, owed: torch.Tensor,
+) -> None:  # fmt: skip
+    """The operator's work, into its outputs: the fp32 loss and the gradients ``needs`` asks for, which owe only
+    the upstream gradient. dapo's and cispo's num_items_in_batch is ``num_items`` (a device tensor) or
+    ``num_items_value`` (a host number)."""
+    o = GRPOOptions(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
     n_sequences, seq_len, _ = hidden.shape
     counts = check_target(target, hidden.shape[:-1], weight.shape[0], ignore_index)  # before any work
-    rows, flat_target = token_rows(hidden, target)
+    rows, flat_target = chunked.token_rows(hidden, target)
     n_tokens, device = rows.shape[0], rows.device
     mask = (target != ignore_index).reshape(n_sequences, seq_len)
     n_seq = mask.sum(-1)
@@ -187,7 +205,7 @@ def _forward(hidden, weight, target, advantages, old_logps, ref_logps, num_items
     if o.level == "sequence":
         seq_log_ratio = torch.zeros(n_sequences, dtype=torch.float32, device=device)
         if old_logps is not None:  # the first pass: every logp, for each sequence's mean log-ratio
-            chunked_linear_loss(rows, weight, logp_step, chunk=chunk)
+            chunked.chunked_linear_loss(rows, weight, logp_step, chunk=chunk)
             log_ratio = torch.where(tokens.mask, logp - tokens.old, 0.0).view(n_sequences, seq_len)
             seq_log_ratio = log_ratio.sum(-1) / n_seq.clamp(min=1)
         tokens.ratio = flat(seq_log_ratio.exp()[:, None])
@@ -207,100 +225,21 @@ def _forward(hidden, weight, target, advantages, old_logps, ref_logps, num_items
             stats_ = stats[: z.shape[0]]
             logprob_grad_rows(z, flat_target[chunk_], stats_, grad * scale, temperature, ignore_index)
 
-    grads = ChunkGrads(needs[0], needs[1], weight_grad_dtype=accumulation_dtype(weight, accumulation))
-    grad_h, grad_w, _ = chunked_linear_loss(
-        rows, weight, step, chunk=chunk, grads=grads if any(needs) else None, grad_scale=1.0 / scale
-    )
-    return values.sum(dtype=torch.float64).float(), grad_h, grad_w
+    grads = chunked.ChunkGrads.asked(needs, grad_hidden, grad_weight, grad_bias)
+    chunked.chunked_linear_loss(rows, weight, step, chunk=chunk, grads=grads, grad_scale=1.0 / scale)
+    loss.copy_(values.sum(dtype=torch.float64))
+    owed.fill_(1.0)
 
 
-# --------------------------------------------------------------------------------------------------
-# The PyTorch operator and its autograd (an autograd.Function, as for the fused linear cross-entropy: the gradients
-# are made in the forward and the backward scales them in place by the upstream gradient).
-
-
-@torch.library.custom_op("liger_lab::fused_linear_grpo", mutates_args=())
-def fused_linear_grpo_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    advantages: torch.Tensor,
-    old_logps: torch.Tensor | None,
-    ref_logps: torch.Tensor | None,
-    num_items: torch.Tensor | None,
-    loss_type: str,
-    importance_sampling_level: str,
-    beta: float,
-    epsilon_low: float,
-    epsilon_high: float,
-    delta: float | None,
-    temperature: float,
-    ignore_index: int,
-    max_completion_length: int | None,
-    num_items_value: float | None,
-    chunk_tokens: int | None,
-    accumulation: str,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 loss, dh (B T, H), dW accumulator); a gradient not in ``needs`` (hidden, weight) is empty. dapo's and
-    cispo's num_items_in_batch is ``num_items`` (a device tensor) or ``num_items_value`` (a host number)."""
-    o = GRPOOptions(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
-    loss, grad_h, grad_w = _forward(
-        hidden, weight, target, advantages, old_logps, ref_logps, num_items, o, temperature, ignore_index,
-        max_completion_length, num_items_value, chunk_tokens, accumulation, needs,
-    )  # fmt: skip
-    grad_h = hidden.new_empty(0) if grad_h is None else grad_h
-    return loss, grad_h, weight.new_empty(0) if grad_w is None else grad_w
-
-
-@fused_linear_grpo_op.register_fake
-def _(hidden, weight, target, advantages, old_logps, ref_logps, num_items, loss_type, importance_sampling_level, beta,
-      epsilon_low, epsilon_high, delta, temperature, ignore_index, max_completion_length, num_items_value, chunk_tokens,
-      accumulation, needs):  # fmt: skip
-    grad_h, grad_w, _ = empty_grads_like(hidden, weight, needs, accumulation)
-    return hidden.new_empty((), dtype=torch.float32), grad_h, grad_w
-
-
-class FusedLinearGRPOFunction(torch.autograd.Function):
-    """Gradients made in the forward; the backward scales them by the upstream gradient. Only hidden and weight get
-    gradients: advantages, old_logps and ref_logps are constants of the call."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, target, advantages, old_logps, ref_logps, num_items, arguments):
-        needs = arguments[-1]
-        ctx.needs, ctx.hidden_shape, ctx.weight_dtype = (needs[0], needs[1], False), hidden.shape, weight.dtype
-        loss, grad_h, grad_w = torch.ops.liger_lab.fused_linear_grpo(
-            hidden, weight, target, advantages, old_logps, ref_logps, num_items, *arguments
-        )
-        # Scaling in place bumps the gradients' versions: a second backward through the same graph fails with
-        # "modified by an inplace operation" instead of scaling them twice.
-        ctx.save_for_backward(grad_h, grad_w)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        refuse_second_derivative("fused_linear_grpo")
-        grad_h, grad_w, _ = finish_grads(*ctx.saved_tensors, None, grad_loss, ctx)
-        # detach(): a fresh tensor object, so a leaf's .grad is never the buffer the backward scaled
-        return None if grad_h is None else grad_h.detach(), grad_w, *(None,) * 6
+FUSED_LINEAR_GRPO = define(
+    "fused_linear_grpo", _forward,
+    outputs={"loss": lambda hidden, *rest: hidden.new_empty((), dtype=torch.float32), **chunked.grad_outputs()},
+)  # fmt: skip
+_LOSS = chunked.FusedLoss("fused_linear_grpo", FUSED_LINEAR_GRPO)
 
 
 # --------------------------------------------------------------------------------------------------
 # The public function.
-
-
-def _check_per_token(name: str, tensor: torch.Tensor | None, shape: torch.Size, allow_per_sequence: bool = False):
-    """A floating (B, T) tensor where the kernels run, or (B,) with ``allow_per_sequence``; None passes."""
-    if tensor is None:
-        return
-    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got {getattr(tensor, 'dtype', type(tensor))}")
-    runtime.check_device(**{name: tensor})
-    shapes = [shape[:1], shape] if allow_per_sequence else [shape]
-    # same_shape, not `in`: under torch.compile with dynamic shapes, membership pins the sizes (see same_shape).
-    if not any(same_shape(tensor.shape, expected) for expected in shapes):
-        expected = " or ".join(str(tuple(s)) for s in shapes)
-        raise ValueError(f"{name} has shape {tuple(tensor.shape)}: expected {expected} (B completions of T tokens)")
 
 
 def _check_num_items(num_items_in_batch) -> tuple[float | None, torch.Tensor | None]:
@@ -308,14 +247,9 @@ def _check_num_items(num_items_in_batch) -> tuple[float | None, torch.Tensor | N
     if num_items_in_batch is None:
         return None, None
     if isinstance(num_items_in_batch, torch.Tensor):
-        if num_items_in_batch.numel() != 1 or num_items_in_batch.dtype.is_complex:
-            raise ValueError(
-                f"num_items_in_batch has shape {tuple(num_items_in_batch.shape)} and dtype {num_items_in_batch.dtype}: "
-                f"expected one real number (the tokens of the whole batch)"
-            )
-        runtime.check_device(num_items_in_batch=num_items_in_batch)
+        chunked.check_one_number("num_items_in_batch", num_items_in_batch, "the tokens of the whole batch")
         return None, num_items_in_batch.detach()
-    return check_number("num_items_in_batch", num_items_in_batch, low=0), None
+    return chunked.check_number("num_items_in_batch", num_items_in_batch, low=0), None
 
 
 def fused_linear_grpo(
@@ -358,37 +292,24 @@ def fused_linear_grpo(
     interpreter, while on the GPU, which checks it without making the host wait, it makes the loss and the gradients
     NaN. The caller's tensors are never modified.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type is {loss_type!r}: expected one of {LOSS_TYPES}")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"importance_sampling_level is {importance_sampling_level!r}: expected one of {IMPORTANCE_SAMPLING_LEVELS}"
-        )
+    o = GRPOOptions.checked(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
     check_loss_options(LossOptions(ignore_index=ignore_index))
-    beta = check_number("beta", beta, low=0.0)
-    epsilon_low = check_number("epsilon_low", epsilon_low, low=0.0)
-    epsilon_high = epsilon_low if epsilon_high is None else check_number("epsilon_high", epsilon_high, low=0.0)
-    delta = None if delta is None else check_number("delta", delta, positive=True)
-    temperature = check_number("temperature", temperature, positive=True)
-    check_head(hidden, weight)
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden has shape {tuple(hidden.shape)}: expected (B, T, H), B completions of T tokens")
+    temperature = chunked.check_number("temperature", temperature, positive=True)
+    chunked.check_head(hidden, weight, layout=f"(B, T, H), {COMPLETIONS}")
     check_target_tensor(target, hidden.shape[:-1])
-    _check_per_token("advantages", advantages, target.shape, allow_per_sequence=True)
-    _check_per_token("old_logps", old_logps, target.shape)
-    _check_per_token("ref_logps", ref_logps, target.shape)
-    if beta != 0 and ref_logps is None:
+    chunked.check_values("advantages", advantages, target.shape, COMPLETIONS, alternative=target.shape[:1])
+    for name, logps in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+        if logps is not None:
+            chunked.check_values(name, logps, target.shape, COMPLETIONS)
+    if o.beta != 0 and ref_logps is None:
         raise ValueError(f"beta is {beta}: the KL term needs ref_logps, the reference model's (B, T) log-probabilities")
     length = max_completion_length
     if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
         raise ValueError(f"max_completion_length is {max_completion_length!r}: expected None or a positive int")
     num_items_value, num_items = _check_num_items(num_items_in_batch)
-    accumulation = check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
-    grad_on = torch.is_grad_enabled()
-    needs = [grad_on and hidden.requires_grad, grad_on and weight.requires_grad]
-    constants = [None if t is None else t.detach() for t in (advantages, old_logps, ref_logps if beta else None)]
-    arguments = (loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta, temperature,
-                 ignore_index, max_completion_length, num_items_value, chunk_tokens, accumulation, needs)  # fmt: skip
-    if any(needs):
-        return FusedLinearGRPOFunction.apply(hidden, weight, target, *constants, num_items, arguments)
-    return torch.ops.liger_lab.fused_linear_grpo(hidden, weight, target, *constants, num_items, *arguments)[0]
+    accumulation = chunked.check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
+    needs = chunked.needed_grads(hidden, weight)
+    constants = [None if t is None else t.detach() for t in (advantages, old_logps, ref_logps if o.beta else None)]
+    arguments = (*o.arguments(), temperature, ignore_index, max_completion_length, num_items_value, chunk_tokens,
+                 accumulation, needs)  # fmt: skip
+    return chunked.run_loss(_LOSS, (hidden, weight, target, *constants, num_items), arguments)

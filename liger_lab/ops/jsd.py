@@ -40,10 +40,10 @@ buffer by the upstream gradient, and skips even that when it is exactly 1 (a pla
 In fp16 the buffer holds dd/dz without the mean's 1 / n (which would push it below fp16's range) and the
 backward applies it, as in liger_lab.cross_entropy.
 
-Cost. With loads of 2 bytes, 128k columns and 8192 rows, the three passes move about 15 GB: 3.5 ms on an
-H200. Exponentials and logarithms run on the GPU's special-function units, a few per element per pass at
-most, or they and not memory set the time: the mixture's per-element algebra (:func:`_mixture`) takes three
-exponentials, one logarithm and one quotient per pass.
+Cost. With loads of 2 bytes, 128k columns and 8192 rows, the three passes move about 15 GB. Exponentials and
+logarithms run on the GPU's special-function units, a few per element per pass at most, or they and not memory
+set the time: the mixture's per-element algebra (:func:`_mixture`) takes three exponentials, one logarithm and
+one quotient per pass. The measurements are in benchmarks/notes/distillation_and_preference.md.
 
 Numerics. Logits enter as (z - max z) / T, never as z / T - lse, so logits of 1e4 keep their digits. The
 reverse KL's gradient is Q_j ((z_j - y_j) - E_Q[z - y]) / T: the log-sum-exps cancel exactly, and a
@@ -51,6 +51,10 @@ saturated softmax gets the zero gradient it has instead of rounding noise. The m
 and log(M / P) are constants plus two softplus terms of v = log(beta P / ((1 - beta) Q)) (:func:`_mixture`),
 never a difference of two large logarithms. The loss adds those constants back, so a divergence far below
 fp32's resolution of them (about 1e-7) is not resolved, as in any fp32 evaluation.
+
+**Operator** (:func:`liger_lab.ops.operators.define`): ``liger_lab::jsd`` writes the per-row divergences and the
+student's gradient; the mean and the factor the gradient still owes are plain torch code around it, and
+:class:`JSDFunction` is its autograd.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
+from liger_lab.ops import operators
 from liger_lab.ops.common import as_rows, check_float, row_count
 from liger_lab.ops.cross_entropy import refuse_second_derivative, save_gradient, scaled_gradient
 from liger_lab.ops.logsumexp import online_lse_step
@@ -70,9 +75,8 @@ FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
 
 GPU_TILE = 2048
 """Elements of a row per program step on the GPU (4 warps): the fastest of 1024-8192 columns under 4-16 warps
-for every divergence, 8192 x 128256 bf16 on an H200 (benchmarks/results/h200-sweep-jsd.json: the mixture's
-loss and gradient in 6.6 ms, 6.9 with the cross-entropy's 8192 columns under 16 warps; either KL 2.8 ms
-against 3.8 and 4.1)."""
+for every divergence, 8192 x 128256 bf16 on an H200, ahead of the cross-entropy's 8192 columns under 16 warps
+(benchmarks/notes/distillation_and_preference.md, rows in benchmarks/results/h200-sweep-jsd.json)."""
 
 
 @triton.jit
@@ -252,48 +256,41 @@ def kept_rows(
     if num_items is not None:
         return num_items.to(torch.float32).reshape(())
     if flat_target is None:
-        return torch.full((), max(n_rows, 1), dtype=torch.float32, device=device)
+        return torch.full((), torch.sym_max(n_rows, 1), dtype=torch.float32, device=device)
     return (flat_target != ignore_index).sum().clamp(min=1).to(torch.float32)
 
 
-def _jsd(
-    student: torch.Tensor,
-    teacher: torch.Tensor,
+def _jsd_into(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
     target: torch.Tensor | None,
-    num_items: torch.Tensor | None,
+    grad_scale: torch.Tensor,
     beta: float,
     temperature: float,
     ignore_index: int,
     compute_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 loss: the mean over kept rows, or their sum over ``num_items``; gradient of the student's rows or an
-    empty tensor; fp32 factor the backward still owes the gradient). Everything stays on the device: the kept count
-    is never read by the host."""
-    rows_s, rows_t = as_rows(student), as_rows(teacher)
-    n_rows, device = rows_s.shape[0], student.device
+    loss: torch.Tensor,
+    grad: torch.Tensor,
+) -> None:
+    """Each row's divergence (fp32, 0 for an ignored row) and, when ``compute_grad``, the student's gradient (rows, V)
+    times ``grad_scale`` (an fp32 scalar on the device: the kept count is never read by the host)."""
+    rows = as_rows(student_logits)
     flat_target = None if target is None else target.reshape(-1).contiguous()
-    inv_kept = 1.0 / kept_rows(flat_target, n_rows, ignore_index, num_items, device)
-    # The mean's 1/n goes into the stored gradient (a plain backward then has nothing left to do), except in
-    # fp16: (Q - P) / n for many tokens underflows fp16 (it stops at 6e-8), so fp16 stores dd/dz and the
-    # backward applies 1/n with the upstream gradient (as liger_lab.cross_entropy does).
-    fp16 = student.dtype == torch.float16
-    ones = torch.ones((), dtype=torch.float32, device=device)
-    loss = torch.empty(n_rows, dtype=torch.float32, device=device)
-    grad = torch.empty(rows_s.shape if compute_grad else (0,), dtype=student.dtype, device=device)
-    jsd_rows(
-        rows_s, rows_t, flat_target, loss, beta, temperature, ignore_index,
-        grad=grad if compute_grad else None, grad_scale=ones if fp16 else inv_kept,
-    )  # fmt: skip
-    return loss.sum() * inv_kept, grad, inv_kept if fp16 else ones
+    jsd_rows(rows, as_rows(teacher_logits), flat_target, loss, beta, temperature, ignore_index,
+             grad=grad.view(rows.shape) if compute_grad else None, grad_scale=grad_scale)  # fmt: skip
 
 
-# --------------------------------------------------------------------------------------------------
-# PyTorch operator (see liger_lab/ops/cross_entropy.py, whose pattern this follows). The gradient is made
-# in the forward into a fresh buffer; JSDFunction below is the autograd, scaling that buffer in place.
+JSD = operators.define(
+    "jsd",
+    _jsd_into,
+    outputs={
+        "loss": lambda student, *_: student.new_empty(row_count(student), dtype=torch.float32),
+        "grad": lambda student, *args: student.new_empty((row_count(student), student.shape[-1]) if args[-1] else (0,)),
+    },
+)
 
 
-@torch.library.custom_op("liger_lab::jsd", mutates_args=())
-def jsd_op(
+def _jsd(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
     target: torch.Tensor | None,
@@ -303,16 +300,19 @@ def jsd_op(
     ignore_index: int,
     compute_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 loss, gradient (rows, V) of the student or an empty tensor, fp32 factor the backward owes it)."""
-    return _jsd(student_logits, teacher_logits, target, num_items, beta, temperature, ignore_index, compute_grad)
-
-
-@jsd_op.register_fake
-def _(student_logits, teacher_logits, target, num_items, beta, temperature, ignore_index, compute_grad):
-    rows = row_count(student_logits)
-    grad = student_logits.new_empty((rows, student_logits.shape[-1]) if compute_grad else (0,))
-    loss, owed = (student_logits.new_empty((), dtype=torch.float32) for _ in range(2))
-    return loss, grad, owed
+    """(fp32 loss: the mean over kept rows, or their sum over ``num_items``; gradient of the student's rows or an
+    empty tensor; fp32 factor the backward still owes the gradient). Everything stays on the device."""
+    n_rows = row_count(student_logits)
+    flat_target = None if target is None else target.reshape(-1)
+    inv_kept = 1.0 / kept_rows(flat_target, n_rows, ignore_index, num_items, student_logits.device)
+    # The mean's 1/n goes into the stored gradient (a plain backward then has nothing left to do), except in
+    # fp16: (Q - P) / n for many tokens underflows fp16 (it stops at 6e-8), so fp16 stores dd/dz and the
+    # backward applies 1/n with the upstream gradient (as liger_lab.cross_entropy does).
+    ones = inv_kept.new_ones(())
+    fp16 = student_logits.dtype == torch.float16
+    loss, grad = JSD(student_logits, teacher_logits, target, ones if fp16 else inv_kept, beta, temperature,
+                     ignore_index, compute_grad)  # fmt: skip
+    return loss.sum() * inv_kept, grad, inv_kept if fp16 else ones
 
 
 class JSDFunction(torch.autograd.Function):
@@ -323,9 +323,8 @@ class JSDFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student_logits, teacher_logits, target, num_items, beta, temperature, ignore_index):
-        loss, grad, owed = torch.ops.liger_lab.jsd(
-            student_logits, teacher_logits, target, num_items, beta, temperature, ignore_index, True
-        )
+        loss, grad, owed = _jsd(student_logits, teacher_logits, target, num_items, beta, temperature, ignore_index,
+                                True)  # fmt: skip
         save_gradient(ctx, grad, owed, student_logits.shape)
         return loss
 
@@ -437,5 +436,4 @@ def jsd(
     teacher = teacher_logits.detach()
     if student_logits.requires_grad and torch.is_grad_enabled():
         return JSDFunction.apply(student_logits, teacher, target, num_items, beta, temperature, ignore_index)
-    return torch.ops.liger_lab.jsd(student_logits, teacher, target, num_items, beta, temperature, ignore_index,
-                                   False)[0]  # fmt: skip
+    return _jsd(student_logits, teacher, target, num_items, beta, temperature, ignore_index, False)[0]

@@ -20,8 +20,13 @@ Bytes per element in bf16: the forward reads x and writes y (4 bytes; the 8 byte
 row are noise). The backward reads x and dy and writes dx (6 bytes), recomputing xhat from the saved
 statistics instead of storing it. dw and db need sums over *all rows*: each program of a persistent grid
 keeps both running fp32 sums in registers over the rows it handles and writes them once at the end, and
-one small torch sum over programs finishes them (no second pass over x and dy, no atomics). PyTorch's
-native kernels read x and dy twice in the backward (once for dx, once for dw and db): 14 bytes, not 10.
+one small Triton kernel sums the programs' rows for both and rounds once
+(:func:`liger_lab.ops.common.sum_partials`; no second pass over x and dy, no atomics). PyTorch's native kernels
+read x and dy twice in the backward (once for dx, once for dw and db): 14 bytes, not 10.
+
+**Operators** (:func:`liger_lab.ops.operators.define`): ``liger_lab::layer_norm`` carries the autograd formula,
+``liger_lab::layer_norm_backward`` makes (dx, dw, db). Launch settings: :func:`forward_launch` and
+:func:`backward_launch`; what they were measured against is in benchmarks/notes/layer_norm.md.
 """
 
 from __future__ import annotations
@@ -31,14 +36,17 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
+from liger_lab.ops import operators
 from liger_lab.ops.common import (
-    as_rows,
+    Rows,
     check_feature_vector,
     check_float,
     check_same_dtype,
     row_op_in_layout,
+    rows_of,
     sum_partials,
 )
+from liger_lab.ops.operators import dense_like
 
 
 @triton.jit
@@ -117,11 +125,36 @@ def _layer_norm_backward_kernel(
     tl.store(partial_row + n_cols + cols, db_acc, mask=col_mask)
 
 
+FORWARD_GPU_TILE = 8192
+"""Elements of rows per program in the forward on the GPU, a warp per :data:`FORWARD_WARP_ELEMENTS`: LayerNorm holds
+x - mean as well as x, and 2 rows of 4096 under 8 warps measured fastest on an H200, ahead of RMSNorm's tile of one
+row (benchmarks/notes/layer_norm.md)."""
+FORWARD_WARP_ELEMENTS = 1024
+
+
 def forward_launch(n_rows: int, n_cols: int) -> runtime.RowLaunch:
-    """The forward's tiling: on the GPU, rows of up to 8192 elements a program under a warp per 1024. LayerNorm
-    holds x - mean as well as x, and measured fastest with 2 rows of 4096 under 8 warps on an H200 (0.93x
-    RMSNorm's tile of one row; benchmarks/notes/layer_norm.md)."""
-    return runtime.row_launch(n_rows, n_cols, gpu_tile=8192, warp_elements=1024)
+    """The forward's tiling: :func:`liger_lab.runtime.row_launch` with :data:`FORWARD_GPU_TILE`."""
+    return runtime.row_launch(n_rows, n_cols, gpu_tile=FORWARD_GPU_TILE, warp_elements=FORWARD_WARP_ELEMENTS)
+
+
+def _launch_forward(
+    x: Rows,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    y: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    launch: runtime.RowLaunch | None = None,
+) -> None:
+    """The forward over the rows of x, into dense y (x's rows, n_cols apart), mean and rstd (one per row)."""
+    if x.n_rows == 0 or x.n_cols == 0:
+        return
+    launch = launch or forward_launch(x.n_rows, x.n_cols)
+    runtime.launch_kernel(_layer_norm_forward_kernel, (launch.grid,),
+        x.data, x.stride, weight, bias, y, x.n_cols, mean, rstd, x.n_rows, x.n_cols, eps,
+        ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+    )  # fmt: skip
 
 
 def layer_norm_forward(
@@ -134,17 +167,9 @@ def layer_norm_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward on a 2-D row view. Returns (y, mean, rstd). ``launch``: the tiling,
     :func:`forward_launch`'s by default (a sweep passes its own)."""
-    n_rows, n_cols = x.shape
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    if y.numel() == 0:
-        return y, mean, rstd
-    launch = launch or forward_launch(n_rows, n_cols)
-    runtime.launch_kernel(_layer_norm_forward_kernel, (launch.grid,),
-        x, x.stride(0), weight, bias, y, y.stride(0), mean, rstd, n_rows, n_cols, eps,
-        ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
-    )  # fmt: skip
+    y = x.new_empty(x.shape)
+    mean, rstd = (x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(2))
+    _launch_forward(rows_of(x), weight, bias, eps, y, mean, rstd, launch)
     return y, mean, rstd
 
 
@@ -152,6 +177,34 @@ def backward_launch(dy: torch.Tensor, x: torch.Tensor) -> runtime.RowLaunch:
     """The backward's default tiling on 2-D row views: the persistent grid, told the bytes per column its loop loads
     (dy and x)."""
     return runtime.persistent_row_launch(x.shape[0], x.shape[1], stream_bytes=dy.element_size() + x.element_size())
+
+
+def _launch_backward(
+    dy: Rows,
+    x: Rows,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dx: torch.Tensor,
+    dw: torch.Tensor,
+    db: torch.Tensor,
+    launch: runtime.RowLaunch | None = None,
+) -> None:
+    """The backward over the rows of x (mean and rstd: one contiguous statistic per row), into dense dx, dw and
+    db."""
+    n_rows, n_cols = x.n_rows, x.n_cols
+    if n_rows == 0 or n_cols == 0:
+        dw.zero_()
+        db.zero_()
+        return
+    stream_bytes = dy.data.element_size() + x.data.element_size()
+    launch = launch or runtime.persistent_row_launch(n_rows, n_cols, stream_bytes=stream_bytes)
+    partials = x.data.new_empty((launch.grid, 2 * n_cols), dtype=torch.float32)
+    runtime.launch_kernel(_layer_norm_backward_kernel, (launch.grid,),
+        dy.data, dy.stride, x.data, x.stride, weight, mean, rstd, dx, n_cols, partials, n_rows, n_cols,
+        ROWS=launch.rows, BLOCK_N=launch.block_n, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
+    )  # fmt: skip
+    sum_partials(partials, dw.dtype, outputs=2, out=(dw, db))
 
 
 def layer_norm_backward(
@@ -165,72 +218,68 @@ def layer_norm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward on 2-D row views. Returns (dx, dw, db). ``launch``: the persistent grid,
     :func:`backward_launch`'s by default."""
-    n_rows, n_cols = x.shape
-    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-    # The kernel reads row i's statistics at offset i, whatever shape the op gave them.
-    mean, rstd = mean.contiguous().view(-1), rstd.contiguous().view(-1)
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    if dx.numel() == 0:
-        return dx, torch.zeros_like(weight), torch.zeros_like(weight)
-    launch = launch or backward_launch(dy, x)
-    partials = torch.empty((launch.grid, 2 * n_cols), dtype=torch.float32, device=x.device)
-    runtime.launch_kernel(_layer_norm_backward_kernel, (launch.grid,),
-        dy, dy.stride(0), x, x.stride(0), weight, mean, rstd, dx, dx.stride(0), partials, n_rows, n_cols,
-        ROWS=launch.rows, BLOCK_N=launch.block_n, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
-    )  # fmt: skip
-    return dx, *sum_partials(partials, weight.dtype, outputs=2)
+    dx, dw, db = x.new_empty(x.shape), torch.empty_like(weight), torch.empty_like(weight)
+    _launch_backward(rows_of(dy), rows_of(x), weight, mean.contiguous(), rstd.contiguous(), dx, dw, db, launch)
+    return dx, dw, db
 
 
 # --------------------------------------------------------------------------------------------------
-# PyTorch operators (see liger_lab/ops/rms_norm.py): what torch.compile sees instead of the launchers.
+# PyTorch operators (liger_lab.ops.operators, as in liger_lab/ops/rms_norm.py): what torch.compile sees instead of
+# the launchers.
 
 
-@torch.library.custom_op("liger_lab::layer_norm", mutates_args=())
-def layer_norm_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, mean, rstd): y of x's shape, two fp32 statistics per row, each shaped x.shape[:-1] (so a DTensor shards
-    them as it shards x)."""
-    y, mean, rstd = layer_norm_forward(as_rows(x), weight.contiguous(), bias.contiguous(), eps)
-    return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
+def _layer_norm_into(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, y: torch.Tensor, mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> None:  # fmt: skip
+    """y of x's shape, two fp32 statistics per row, each shaped x.shape[:-1] (so a DTensor shards them as it shards
+    x)."""
+    _launch_forward(rows_of(x), weight.contiguous(), bias.contiguous(), eps, y, mean, rstd)
 
 
-@layer_norm_op.register_fake
-def _(x, weight, bias, eps):
-    stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    return x.new_empty(x.shape), stats, torch.empty_like(stats)
+def _layer_norm_backward_into(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+    dx: torch.Tensor, dw: torch.Tensor, db: torch.Tensor,
+) -> None:  # fmt: skip
+    _launch_backward(rows_of(dy), rows_of(x), weight.contiguous(), mean.contiguous(), rstd.contiguous(), dx, dw, db)
 
 
-@torch.library.custom_op("liger_lab::layer_norm_backward", mutates_args=())
-def layer_norm_backward_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw, db)."""
-    dx, dw, db = layer_norm_backward(as_rows(dy), as_rows(x), weight.contiguous(), mean, rstd)
-    return dx.view(x.shape), dw, db
+def _parameter_grad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *_: object) -> torch.Tensor:
+    return torch.empty_like(weight)
 
 
-@layer_norm_backward_op.register_fake
-def _(dy, x, weight, mean, rstd):
-    return (
-        torch.empty_like(x, memory_format=torch.contiguous_format),
-        torch.empty_like(weight),
-        torch.empty_like(weight),
-    )
+LAYER_NORM_BACKWARD = operators.define(
+    "layer_norm_backward",
+    _layer_norm_backward_into,
+    outputs={"dx": lambda dy, x, *_: dense_like(x), "dw": _parameter_grad, "db": _parameter_grad},
+)
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, _, _ = inputs
     # The bias is not needed for the gradients: its own gradient is the column sum of dy.
     ctx.save_for_backward(x, weight, output[1], output[2])
+    # The statistics' gradients arrive as None rather than as zeros autograd would allocate and fill every call.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, _dmean, _drstd):
-    dx, dw, db = torch.ops.liger_lab.layer_norm_backward(dy, *ctx.saved_tensors)
-    return dx, dw, db, None
+    if dy is None:  # only the statistics were used (a direct call of the operator)
+        return None, None, None, None
+    return *LAYER_NORM_BACKWARD(dy, *ctx.saved_tensors), None
 
 
-layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
+def _statistic(x: torch.Tensor, *_: object) -> torch.Tensor:
+    return x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+LAYER_NORM = operators.define(
+    "layer_norm",
+    _layer_norm_into,
+    outputs={"y": lambda x, *_: dense_like(x), "mean": _statistic, "rstd": _statistic},
+    setup_context=_setup_context,
+    backward=_backward,
+)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -247,4 +296,4 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     check_same_dtype(x=x, weight=weight, bias=bias)
     if not eps >= 0:
         raise ValueError(f"eps is {eps}: expected a non-negative number")
-    return row_op_in_layout(lambda rows: torch.ops.liger_lab.layer_norm(rows, weight, bias, float(eps))[0], x)
+    return row_op_in_layout(lambda rows: LAYER_NORM(rows, weight, bias, float(eps))[0], x)

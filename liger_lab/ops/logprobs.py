@@ -42,8 +42,9 @@ dW, dh): 4 matmuls in all, 8 N H V FLOPs, as the fused cross-entropy's ``reducti
 nothing and get exact zeros. dW is summed over chunks as in :mod:`liger_lab.ops.fused_linear_cross_entropy`
 (``accumulation``).
 
-**Memory.** One chunk of C x V logits (:data:`liger_lab.ops.fused_linear_cross_entropy.CHUNK_BUDGET_BYTES` sets C),
-the outputs and 8 bytes per token of statistics; the backward adds the N x H hidden gradient and dW.
+**Memory.** One chunk of C x V logits (the fused cross-entropy's rule: :func:`liger_lab.ops.fused_linear_cross_entropy
+.chunk_rows`, whose budget benchmarks/notes/fused_linear_cross_entropy.md measures), the outputs and 8 bytes per token
+of statistics; the backward adds the N x H hidden gradient and dW.
 
 **Nothing is read back.** No ``.item()`` or ``.tolist()`` on the GPU path: the host never waits for the GPU, and
 counts stay device tensors. The targets are range-checked by a small kernel
@@ -59,10 +60,10 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
-from liger_lab.ops.chunked import ChunkGrads, check_head, chunked_linear_loss
-from liger_lab.ops.common import is_finite, row_count
+from liger_lab.ops import chunked
 from liger_lab.ops.cross_entropy import LossOptions, check_loss_options, check_target, check_target_tensor
-from liger_lab.ops.fused_linear_cross_entropy import accumulation_dtype, check_chunk_options, chunk_tokens_for
+from liger_lab.ops.fused_linear_cross_entropy import chunk_rows
+from liger_lab.ops.operators import define
 
 
 @triton.jit
@@ -211,92 +212,39 @@ def logprob_grad_rows(
     )  # fmt: skip
 
 
-def token_rows(hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, H) hidden states and (tokens,) contiguous targets."""
-    return hidden.reshape(row_count(hidden), hidden.shape[-1]), target.reshape(-1).contiguous()
-
-
-def chunk_rows(rows: torch.Tensor, weight: torch.Tensor, chunk_tokens: int | None, with_grad_h: bool) -> int:
-    """The caller's chunk size, or the one the byte budget allows (less the hidden gradient's buffer)."""
-    if chunk_tokens is not None:
-        return chunk_tokens
-    other = rows.numel() * rows.element_size() if with_grad_h else 0
-    return chunk_tokens_for(rows.shape[0], weight.shape[0], rows.dtype, other_bytes=other)
-
-
-def or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """Operators return tensors, never None: a gradient nobody asked for is an empty tensor."""
-    return like.new_empty(0) if grad is None else grad
-
-
-def empty_grads_like(hidden, weight, needs, accumulation, bias=None):
-    """The fake (shape-only) (dh (tokens, H), dW accumulator, db fp32) of a chunk loop, empty where not needed."""
-    grad_h = hidden.new_empty(row_count(hidden), hidden.shape[-1]) if needs[0] else None
-    grad_w = weight.new_empty(weight.shape, dtype=accumulation_dtype(weight, accumulation)) if needs[1] else None
-    grad_b = weight.new_empty(weight.shape[0], dtype=torch.float32) if len(needs) > 2 and needs[2] else None
-    return or_empty(grad_h, hidden), or_empty(grad_w, weight), or_empty(grad_b, weight)
-
-
 # --------------------------------------------------------------------------------------------------
 # PyTorch operators: the forward (logp, entropy, statistics) and the backward (the chunk loop again, upstream
-# gradients folded into dz). The forward op carries its autograd formula (register_autograd): nothing is written
-# over an output, so no autograd.Function is needed.
+# gradients folded into dz). The forward operator carries its autograd formula: nothing is written over an output,
+# so no autograd.Function is needed.
 
 
-@torch.library.custom_op("liger_lab::fused_linear_logprobs", mutates_args=())
-def fused_linear_logprobs_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    ignore_index: int,
-    entropy: bool,
-    chunk_tokens: int | None,
-    accumulation: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy (empty unless asked for), both fp32 of target's shape; statistics (tokens, 2) fp32)."""
+def _forward(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+    ignore_index: int, entropy: bool, chunk_tokens: int | None, accumulation: str, logp: torch.Tensor,
+    entropies: torch.Tensor, stats: torch.Tensor,
+) -> None:  # fmt: skip
+    """logp, and the entropies when asked for (both fp32 of target's shape), and each token's statistics (m, log s)
+    for the backward: one matmul per chunk, no gradient."""
     counts = check_target(target, hidden.shape[:-1], weight.shape[0], ignore_index)  # before any work
-    rows, flat_target = token_rows(hidden, target)
-    n_rows = rows.shape[0]
-    logp = torch.empty(n_rows, dtype=torch.float32, device=rows.device)
-    entropies = torch.empty(n_rows if entropy else 0, dtype=torch.float32, device=rows.device)
-    stats = torch.empty(n_rows, 2, dtype=torch.float32, device=rows.device)
+    rows, flat_target = chunked.token_rows(hidden, target)
+    flat_logp, flat_entropy = logp.view(-1), entropies.view(-1) if entropy else None
 
     def step(z: torch.Tensor, chunk: slice, write_grad: bool) -> None:
-        ent = entropies[chunk] if entropy else None
-        logprob_rows(z, flat_target[chunk], logp[chunk], stats[chunk], counts, temperature, ignore_index, ent)
+        ent = None if flat_entropy is None else flat_entropy[chunk]
+        logprob_rows(z, flat_target[chunk], flat_logp[chunk], stats[chunk], counts, temperature, ignore_index, ent)
 
-    chunked_linear_loss(rows, weight, step, chunk=chunk_rows(rows, weight, chunk_tokens, False), bias=bias)
-    return logp.view(target.shape), entropies.view(target.shape) if entropy else entropies, stats
-
-
-@fused_linear_logprobs_op.register_fake
-def _(hidden, weight, target, bias, temperature, ignore_index, entropy, chunk_tokens, accumulation):
-    logp = hidden.new_empty(target.shape, dtype=torch.float32)
-    entropies = hidden.new_empty(target.shape if entropy else (0,), dtype=torch.float32)
-    return logp, entropies, hidden.new_empty(target.numel(), 2, dtype=torch.float32)
+    chunked.chunked_linear_loss(rows, weight, step, chunk=chunk_rows(rows, weight, chunk_tokens, False), bias=bias)
 
 
-@torch.library.custom_op("liger_lab::fused_linear_logprobs_backward", mutates_args=())
-def fused_linear_logprobs_backward_op(
-    grad_logp: torch.Tensor,
-    grad_entropy: torch.Tensor | None,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    stats: torch.Tensor,
-    entropy: torch.Tensor | None,
-    temperature: float,
-    ignore_index: int,
-    chunk_tokens: int | None,
-    accumulation: str,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dh (tokens, H), dW accumulator, db fp32), empty where ``needs`` (hidden, weight, bias) is False: the chunk
-    loop again, each chunk's logits recomputed and overwritten with dz."""
-    rows, flat_target = token_rows(hidden, target)
+def _backward_rows(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None, stats: torch.Tensor,
+    entropy: torch.Tensor | None, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, temperature: float,
+    ignore_index: int, chunk_tokens: int | None, accumulation: str, needs: list[bool], grad_hidden: torch.Tensor,
+    grad_weight: torch.Tensor, grad_bias: torch.Tensor,
+) -> None:  # fmt: skip
+    """The gradients ``needs`` asks for: the chunk loop again, each chunk's logits recomputed and overwritten with
+    dz for the upstream gradients of logp (and of the entropy, with the forward's entropies)."""
+    rows, flat_target = chunked.token_rows(hidden, target)
     # contiguous(): the kernel reads one value per row, and a sum's backward hands over an expanded gradient.
     g_logp = grad_logp.reshape(-1).float().contiguous()
     g_entropy = None if grad_entropy is None or entropy is None else grad_entropy.reshape(-1).float().contiguous()
@@ -306,16 +254,9 @@ def fused_linear_logprobs_backward_op(
         ent, g_ent = (None, None) if g_entropy is None else (flat_entropy[chunk], g_entropy[chunk])
         logprob_grad_rows(z, flat_target[chunk], stats[chunk], g_logp[chunk], temperature, ignore_index, ent, g_ent)
 
-    grads = ChunkGrads(*needs, weight_grad_dtype=accumulation_dtype(weight, accumulation))
+    grads = chunked.ChunkGrads.asked(needs, grad_hidden, grad_weight, grad_bias)
     chunk = chunk_rows(rows, weight, chunk_tokens, needs[0])
-    grad_h, grad_w, grad_b = chunked_linear_loss(rows, weight, step, chunk=chunk, grads=grads, bias=bias)
-    return or_empty(grad_h, hidden), or_empty(grad_w, weight), or_empty(grad_b, weight)
-
-
-@fused_linear_logprobs_backward_op.register_fake
-def _(grad_logp, grad_entropy, hidden, weight, target, bias, stats, entropy, temperature, ignore_index, chunk_tokens,
-      accumulation, needs):  # fmt: skip
-    return empty_grads_like(hidden, weight, needs, accumulation, bias)
+    chunked.chunked_linear_loss(rows, weight, step, chunk=chunk, grads=grads, bias=bias)
 
 
 def _setup_context(ctx, inputs, output):
@@ -334,34 +275,37 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_stats):
         return (None,) * 9
     if grad_logp is None:  # only the entropy is used
         grad_logp = torch.zeros_like(stats[:, 0])
-    grad_h, grad_w, grad_b = torch.ops.liger_lab.fused_linear_logprobs_backward(
-        grad_logp, grad_entropy, hidden, weight, target, bias, stats, entropies, *ctx.options, needs
+    grads = FUSED_LINEAR_LOGPROBS_BACKWARD(
+        hidden, weight, target, bias, stats, entropies, grad_logp, grad_entropy, *ctx.options, needs
     )
-    return (
-        grad_h.view(hidden.shape) if needs[0] else None,
-        grad_w.to(weight.dtype) if needs[1] else None,
-        None,
-        grad_b.to(bias.dtype) if needs[2] else None,
-        *(None,) * 5,
-    )
+    head = chunked.Head(hidden.shape, weight.dtype, tuple(needs))
+    grad_h, grad_w, grad_b = chunked.finish_grads(chunked.Grads(*grads), head, None)
+    return grad_h, grad_w, None, grad_b, *(None,) * 5
 
 
-fused_linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+def _per_token(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *rest: object) -> torch.Tensor:
+    return hidden.new_empty(target.shape, dtype=torch.float32)
+
+
+def _entropies(hidden, weight, target, bias, temperature, ignore_index, entropy: bool, *rest) -> torch.Tensor:
+    return hidden.new_empty(target.shape if entropy else (0,), dtype=torch.float32)
+
+
+def _stats(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *rest: object) -> torch.Tensor:
+    return hidden.new_empty(target.numel(), 2, dtype=torch.float32)
+
+
+FUSED_LINEAR_LOGPROBS = define(
+    "fused_linear_logprobs", _forward, outputs={"logp": _per_token, "entropies": _entropies, "stats": _stats},
+    setup_context=_setup_context, backward=_backward,
+)  # fmt: skip
+FUSED_LINEAR_LOGPROBS_BACKWARD = define(
+    "fused_linear_logprobs_backward", _backward_rows, outputs=chunked.grad_outputs(owed=False)
+)
 
 
 # --------------------------------------------------------------------------------------------------
-# Validation shared with the losses built on the head, and the public function.
-
-
-def check_number(name: str, value: float, *, low: float | None = None, positive: bool = False) -> float:
-    """A finite real number (not a bool), at least ``low`` and > 0 if ``positive``; returned as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value):
-        raise ValueError(f"{name} is {value!r}: expected a finite number")
-    if positive and value <= 0:
-        raise ValueError(f"{name} is {value}: expected a number > 0")
-    if low is not None and value < low:
-        raise ValueError(f"{name} is {value}: expected a number >= {low}")
-    return float(value)
+# The public function.
 
 
 def fused_linear_logprobs(
@@ -389,13 +333,13 @@ def fused_linear_logprobs(
     caller's tensors are never modified.
     """
     check_loss_options(LossOptions(ignore_index=ignore_index))
-    temperature = check_number("temperature", temperature, positive=True)
-    check_head(hidden, weight, bias)
+    temperature = chunked.check_number("temperature", temperature, positive=True)
+    chunked.check_head(hidden, weight, bias)
     check_target_tensor(target, hidden.shape[:-1])
-    accumulation = check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
+    accumulation = chunked.check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
     if not isinstance(entropy, bool):
         raise ValueError(f"entropy is {entropy!r}: expected True or False")
-    logp, entropies, _ = torch.ops.liger_lab.fused_linear_logprobs(
+    logp, entropies, _ = FUSED_LINEAR_LOGPROBS(
         hidden, weight, target, bias, temperature, ignore_index, entropy, chunk_tokens, accumulation
     )
     return (logp, entropies) if entropy else logp

@@ -100,7 +100,13 @@ nothing, and are not differentiable: a gradient through them would need the logi
 back in the caller's order by one more N x H copy when B > 1). :data:`CHUNK_BUDGET_BYTES` sets how many units a
 chunk holds (at least one: with T = 1024, V = 128256 in bf16 a single pair's logits are 501 MiB). dW is accumulated
 over chunks as in the fused linear cross-entropy (``accumulation``). Gradients are made in the forward; the backward
-multiplies them by the upstream gradient.
+multiplies them by the upstream gradient. benchmarks/notes/distillation_and_preference.md holds the H200 run at the
+default budget.
+
+**Operators.** One, ``liger_lab::fused_linear_preference``, for every loss: its ``loss`` argument picks the unit
+loss. Its gradients, their autograd and the validation of the head are the skeleton's (:mod:`liger_lab.ops.chunked`);
+each loss's options are checked once, by a function the float64 references share (:func:`dpo_options`,
+:func:`orpo_options`, :func:`simpo_options`, :func:`cpo_options`, :func:`kto_options`).
 """
 
 from __future__ import annotations
@@ -113,20 +119,18 @@ import torch
 import torch.nn.functional as F
 
 from liger_lab import runtime
-from liger_lab.ops.chunked import ChunkGrads, chunked_linear_loss
-from liger_lab.ops.common import check_float, is_finite, row_count, same_shape
+from liger_lab.ops import chunked
 from liger_lab.ops.cross_entropy import (
     LossOptions,
     check_loss_options,
     check_target,
     check_target_tensor,
     nan_if_out_of_range,
-    refuse_second_derivative,
 )
 from liger_lab.ops.cross_entropy import cross_entropy_rows as _token_losses
-from liger_lab.ops.fused_linear_cross_entropy import MIB, accumulation_dtype, check_chunk_options, finish_grads
+from liger_lab.ops.operators import define
 
-CHUNK_BUDGET_BYTES = 240 * MIB
+CHUNK_BUDGET_BYTES = 240 * chunked.MIB
 """Bytes of one chunk of logits; a chunk holds as many complete units (pairs, KTO's completions) as fit, at least
 one."""
 ORPO_MAX_AVG_LOGP = -1e-6
@@ -305,8 +309,7 @@ def chunk_pairs_for(
     """Units per chunk: as many as have their ``group`` T x V logits (a pair's two, by default) in ``budget`` bytes
     (default :data:`CHUNK_BUDGET_BYTES`), at least one, at most ``n_pairs``."""
     budget = CHUNK_BUDGET_BYTES if budget is None else budget
-    per_unit = group * seq_len * vocab * torch.empty((), dtype=dtype).element_size()
-    return max(1, min(n_pairs, budget // max(per_unit, 1)))
+    return chunked.rows_per_chunk(n_pairs, group * seq_len * vocab * dtype.itemsize, budget, align=1)
 
 
 def _unit_order(x: torch.Tensor, n_units: int, group: int) -> torch.Tensor:
@@ -335,7 +338,7 @@ def _reference_logps(ref_hidden, ref_weight, target, options, chunk_rows):
 
     if rows.shape[0] == 0:  # no positions: every sequence scores 0
         return torch.zeros(target.shape[0], dtype=torch.float64, device=rows.device)
-    chunked_linear_loss(rows, ref_weight, step, chunk=chunk_rows)
+    chunked.chunked_linear_loss(rows, ref_weight, step, chunk=chunk_rows)
     return _sequence_logps(token_losses, target.shape[1])
 
 
@@ -352,11 +355,20 @@ def _nan_if_disagreeing(target: torch.Tensor, nll_target: torch.Tensor, ignore_i
     return torch.where(disagreeing > 0, math.nan, 1.0).to(torch.float32)
 
 
-def _forward(hidden, weight, target, ref_hidden, ref_weight, ref_logps, label, kl, nll_target, o, ignore_index,
-             chunk_units, accumulation, needs):  # fmt: skip
-    """(fp32 loss, dh (N T, H) in caller order or None, dW accumulator or None, the fp32 factor the gradients still
-    owe: 1, or NaN for a bad target; each sequence's float64 logp (N,) in caller order; the reference's (N,) or
-    None)."""
+def _forward(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ref_hidden: torch.Tensor | None,
+    ref_weight: torch.Tensor | None, ref_logps: torch.Tensor | None, label: torch.Tensor | None,
+    kl: torch.Tensor | None, nll_target: torch.Tensor | None, loss: str, loss_type: str, beta: float, gamma: float,
+    label_smoothing: float, alpha: float, nll_weight: float, desirable_weight: float, undesirable_weight: float,
+    ignore_index: int, chunk_units: int | None, accumulation: str, needs: list[bool], total: torch.Tensor,
+    sequence_scores: torch.Tensor, reference_scores: torch.Tensor, grad_hidden: torch.Tensor,
+    grad_weight: torch.Tensor, grad_bias: torch.Tensor, owed: torch.Tensor,
+) -> None:  # fmt: skip
+    """The operator's work, into its outputs: the fp32 loss; each sequence's fp32 score in caller order (logp, or
+    avg for the length-normalised losses) and the reference's logp (empty without a reference); the gradients
+    ``needs`` asks for, dh in caller order; the fp32 factor they still owe: 1, or NaN for a bad target."""
+    o = PreferenceOptions(loss, loss_type, beta, gamma, label_smoothing, alpha, nll_weight, desirable_weight,
+                          undesirable_weight)  # fmt: skip
     n_sequences, seq_len, width = hidden.shape
     group = group_size(o.loss)
     n_units, vocab, device = n_sequences // group, weight.shape[0], hidden.device
@@ -434,194 +446,56 @@ def _forward(hidden, weight, target, ref_hidden, ref_weight, ref_logps, label, k
                 scale.copy_(odds_part + nll_mask[chunk].view(-1, seq_len) * (nll_scale / common_factor))
             _token_losses(z, flat_target[chunk], token_losses[chunk], options, grad=z, row_scale=scale.view(-1))
 
-    grads = ChunkGrads(hidden=needs[0], weight=needs[1], weight_grad_dtype=accumulation_dtype(weight, accumulation))
-    grad_h = grad_w = None
-    if rows.shape[0]:
-        grad_h, grad_w, _ = chunked_linear_loss(rows, weight, step, chunk=chunk_rows, grads=grads,
-                                                grad_scale=common_factor / n_units)  # fmt: skip
-    else:  # no positions at all (T = 0 or B = 0): every sequence scores 0, nothing depends on the weights
+    # dh is made in unit order: over the caller's rows themselves where the two orders agree (one unit, or units of
+    # one sequence), else into a buffer put back in the caller's order after the loop.
+    same_order = n_units <= 1 or group == 1
+    grad_rows = None
+    if needs[0]:
+        caller_rows = grad_hidden.view(n_sequences, seq_len, width)
+        grad_rows = _unit_order(caller_rows, n_units, group) if same_order else torch.empty_like(rows)
+    grads = chunked.ChunkGrads.asked(needs, grad_rows, grad_weight, grad_bias)
+    chunked.chunked_linear_loss(rows, weight, step, chunk=max(chunk_rows, 1), grads=grads,
+                                grad_scale=common_factor / max(n_units, 1))  # fmt: skip
+    if not rows.shape[0]:  # no positions at all (T = 0 or B = 0): every sequence scores 0, nothing depends on weights
         terms = unit_terms(0, n_units, scores, scores[:, 0])[0]
-        grad_h = torch.zeros(rows.shape, dtype=hidden.dtype, device=device) if needs[0] else None
-        if needs[1]:
-            grad_w = torch.zeros(weight.shape, dtype=grads.weight_grad_dtype, device=weight.device)
-    if grad_h is not None:  # back to the caller's row order
-        grad_h = grad_h.view(n_units, group, seq_len, width).transpose(0, 1).reshape(n_sequences * seq_len, width)
-    total = (terms.sum() / max(n_units, 1)).to(torch.float32) * valid
+    if grad_rows is not None and not same_order:
+        in_unit_order = grad_rows.view(n_units, group, seq_len, width).transpose(0, 1)
+        caller_rows.view(group, n_units, seq_len, width).copy_(in_unit_order)
+    torch.mul((terms.sum() / max(n_units, 1)).to(torch.float32), valid, out=total)
     if averages(o):
         scores = scores / n.clamp(min=1)
-    return total, grad_h, grad_w, valid, scores.t().reshape(-1), ref_sequences
+    sequence_scores.copy_(scores.t().reshape(-1))
+    if ref_sequences is not None:
+        reference_scores.copy_(ref_sequences)
+    owed.copy_(valid)
 
 
-def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """Operators return tensors, never None: a gradient nobody asked for is an empty tensor."""
-    return like.new_empty(0) if grad is None else grad
+def _reference_scores(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ref_hidden, ref_weight,
+                      ref_logps, *rest: object) -> torch.Tensor:  # fmt: skip
+    with_reference = ref_hidden is not None or ref_logps is not None
+    return hidden.new_empty(hidden.shape[0] if with_reference else 0, dtype=torch.float32)
 
 
-# --------------------------------------------------------------------------------------------------
-# The PyTorch operator (one for every preference loss) and its autograd (an autograd.Function, as for the fused
-# linear cross-entropy: the backward scales the operator's outputs in place).
-
-
-@torch.library.custom_op("liger_lab::fused_linear_preference", mutates_args=())
-def fused_linear_preference_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    ref_hidden: torch.Tensor | None,
-    ref_weight: torch.Tensor | None,
-    ref_logps: torch.Tensor | None,
-    label: torch.Tensor | None,
-    kl: torch.Tensor | None,
-    nll_target: torch.Tensor | None,
-    loss: str,
-    loss_type: str,
-    beta: float,
-    gamma: float,
-    label_smoothing: float,
-    alpha: float,
-    nll_weight: float,
-    desirable_weight: float,
-    undesirable_weight: float,
-    ignore_index: int,
-    chunk_units: int | None,
-    accumulation: str,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 loss, dh (N T, H), dW accumulator, the fp32 factor they still owe, the sequences' fp32 scores (N,), the
-    reference's fp32 logp (N,)); a gradient not in ``needs`` (hidden, weight), or the reference's logp without a
-    reference, is empty."""
-    o = PreferenceOptions(loss, loss_type, beta, gamma, label_smoothing, alpha, nll_weight, desirable_weight,
-                          undesirable_weight)  # fmt: skip
-    total, grad_h, grad_w, owed, scores, ref = _forward(
-        hidden, weight, target, ref_hidden, ref_weight, ref_logps, label, kl, nll_target, o, ignore_index,
-        chunk_units, accumulation, needs,
-    )  # fmt: skip
-    ref = hidden.new_empty(0, dtype=torch.float32) if ref is None else ref.to(torch.float32)
-    return total, _or_empty(grad_h, hidden), _or_empty(grad_w, weight), owed, scores.to(torch.float32), ref
-
-
-@fused_linear_preference_op.register_fake
-def _(hidden, weight, target, ref_hidden, ref_weight, ref_logps, label, kl, nll_target, loss, loss_type, beta, gamma,
-      label_smoothing, alpha, nll_weight, desirable_weight, undesirable_weight, ignore_index, chunk_units, accumulation,
-      needs):  # fmt: skip
-    grad_h = hidden.new_empty(row_count(hidden), hidden.shape[-1]) if needs[0] else hidden.new_empty(0)
-    grad_w = weight.new_empty(weight.shape, dtype=accumulation_dtype(weight, accumulation)) if needs[1] else None
-    total, owed = (hidden.new_empty((), dtype=torch.float32) for _ in range(2))
-    scores = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
-    has_ref = ref_hidden is not None or ref_logps is not None
-    ref = hidden.new_empty(hidden.shape[0] if has_ref else 0, dtype=torch.float32)
-    return total, grad_h, _or_empty(grad_w, weight), owed, scores, ref
-
-
-class FusedLinearPreferenceFunction(torch.autograd.Function):
-    """Gradients made in the forward; the backward scales them by the upstream gradient. Returns (loss, the
-    sequences' scores, the reference's logp): the scores are metrics, not differentiable. The reference model's
-    tensors, the targets, the flags and the KL estimate get no gradient."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, target, ref_hidden, ref_weight, ref_logps, label, kl, nll_target, arguments):
-        needs = arguments[-1]
-        ctx.needs, ctx.hidden_shape, ctx.weight_dtype = (needs[0], needs[1], False), hidden.shape, weight.dtype
-        ctx.loss = arguments[0]
-        total, grad_h, grad_w, owed, scores, ref = torch.ops.liger_lab.fused_linear_preference(
-            hidden, weight, target, ref_hidden, ref_weight, ref_logps, label, kl, nll_target, *arguments
-        )
-        ctx.save_for_backward(grad_h, grad_w, owed)
-        ctx.mark_non_differentiable(scores, ref)
-        return total, scores, ref
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_scores, grad_ref):
-        refuse_second_derivative(f"fused_linear_{ctx.loss}")
-        grad_h, grad_w, owed = ctx.saved_tensors
-        grad_h, grad_w, _ = finish_grads(grad_h, grad_w, None, grad_loss, ctx, owed)
-        return None if grad_h is None else grad_h.detach(), grad_w, *(None,) * 8
+FUSED_LINEAR_PREFERENCE_OUTPUTS = {
+    "total": lambda hidden, *rest: hidden.new_empty((), dtype=torch.float32),
+    "sequence_scores": lambda hidden, *rest: hidden.new_empty(hidden.shape[0], dtype=torch.float32),
+    "reference_scores": _reference_scores,
+    **chunked.grad_outputs(),
+}
+FUSED_LINEAR_PREFERENCE = define("fused_linear_preference", _forward, outputs=FUSED_LINEAR_PREFERENCE_OUTPUTS)
+"""One operator for every preference loss (its ``loss`` argument picks the unit loss): (loss, sequence scores,
+reference logp, dh, dW, db, owed factor). The scores are metrics: :func:`run_loss` marks them non-differentiable."""
+_LOSSES = {loss: chunked.FusedLoss(f"fused_linear_{loss}", FUSED_LINEAR_PREFERENCE, metrics=2) for loss in LOSSES}
 
 
 # --------------------------------------------------------------------------------------------------
-# Validation.
-
-
-def _check_number(name: str, value: float, *, non_negative: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value):
-        raise ValueError(f"{name} is {value!r}: expected a finite number")
-    if non_negative and value < 0:
-        raise ValueError(f"{name} is {value}: expected a number >= 0")
-    return float(value)
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} is {value!r}: expected one of {choices}")
-    return value
-
-
-PAIRED_LAYOUT = "(2B, T, H), rows [0, B) the chosen and [B, 2B) the rejected sequences"
-UNPAIRED_LAYOUT = "(B, T, H), B completions each flagged by label"
-
-
-def _check_head(hidden_name, hidden, weight_name, weight, n_sequences_like=None, layout=PAIRED_LAYOUT):
-    check_float(hidden_name, hidden)
-    check_float(weight_name, weight)
-    if hidden.dim() != 3:
-        raise ValueError(f"{hidden_name} has shape {tuple(hidden.shape)}: expected {layout}")
-    if n_sequences_like is not None and hidden.shape[:2] != n_sequences_like:
-        raise ValueError(
-            f"{hidden_name} has shape {tuple(hidden.shape)}: expected ({n_sequences_like[0]}, {n_sequences_like[1]}, "
-            f"H_ref), the sequences of hidden"
-        )
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise ValueError(
-            f"{weight_name} has shape {tuple(weight.shape)}: expected (V, {hidden.shape[-1]}) with V >= 1, the "
-            f"hidden size being the last dimension of {hidden_name} {tuple(hidden.shape)}"
-        )
-    if hidden.dtype != weight.dtype:
-        raise ValueError(
-            f"expected one dtype for {hidden_name} and {weight_name}, got {hidden.dtype} and {weight.dtype}"
-        )
-
-
-KINDS = {"floating": "a floating-point", "flag": "a bool or integer", "index": "an integer (torch.int64)"}
-
-
-def _check_values(name: str, values: object, shape: tuple, what: str, kind: str = "floating") -> None:
-    """A tensor of ``shape`` where the kernels run, of the dtype ``kind`` (see :data:`KINDS`): one value per
-    sequence, or (index) a token per position."""
-    if not isinstance(values, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
-    dtype = values.dtype
-    fits = {"floating": dtype.is_floating_point, "flag": not dtype.is_floating_point,
-            "index": not dtype.is_floating_point and dtype != torch.bool}[kind]  # fmt: skip
-    if dtype.is_complex or not fits:
-        raise ValueError(f"{name} has dtype {dtype}: expected {KINDS[kind]} tensor ({what})")
-    runtime.check_device(**{name: values})
-    if not same_shape(values.shape, shape):  # same_shape: no size pinned under torch.compile
-        raise ValueError(f"{name} has shape {tuple(values.shape)}: expected {tuple(shape)} ({what})")
-
-
-def _check_reference(ref_hidden, ref_weight, ref_logps, hidden, weight, who, layout):
-    """A frozen reference: its head (ref_hidden, ref_weight) or its per-sequence logp (ref_logps), exactly one."""
-    if ref_logps is not None:
-        if ref_hidden is not None or ref_weight is not None:
-            raise ValueError(f"{who} takes the reference as ref_hidden and ref_weight or as ref_logps, not both")
-        what = "the reference's log-probability of each sequence, in hidden's row order"
-        _check_values("ref_logps", ref_logps, hidden.shape[:1], what)
-        return
-    if ref_hidden is None or ref_weight is None:
-        raise ValueError(
-            f"{who} needs a reference model: ref_hidden and ref_weight (its hidden states and lm_head weight), or "
-            f"ref_logps (its log-probability of each sequence, precomputed)"
-        )
-    _check_head("ref_hidden", ref_hidden, "ref_weight", ref_weight, hidden.shape[:2], layout)
-    if ref_weight.shape[0] != weight.shape[0]:
-        raise ValueError(
-            f"ref_weight has {ref_weight.shape[0]} rows: expected the policy's vocabulary size {weight.shape[0]}"
-        )
+# Validation: each loss's options as TRL's trainers take them (for the kernel path and the float64 reference
+# alike), then what every loss's tensors must be.
 
 
 def _check_smoothing(loss: str, loss_type: str, label_smoothing: float) -> float:
     """label_smoothing in [0, 1], and 0 for a loss type that does not read it (see :data:`SMOOTHED`)."""
-    label_smoothing = _check_number("label_smoothing", label_smoothing, non_negative=True)
+    label_smoothing = chunked.check_number("label_smoothing", label_smoothing, low=0)
     if label_smoothing > 1:
         raise ValueError(f"label_smoothing is {label_smoothing}: expected a number in [0, 1]")
     if label_smoothing and loss_type not in SMOOTHED[loss]:
@@ -632,14 +506,116 @@ def _check_smoothing(loss: str, loss_type: str, label_smoothing: float) -> float
     return label_smoothing
 
 
+def dpo_options(beta: float, loss_type: str, label_smoothing: float) -> PreferenceOptions:
+    """DPO's options as TRL 1.16's ``DPOConfig`` takes them, validated (ValueError naming the option)."""
+    loss_type = chunked.check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
+    beta = chunked.check_number("beta", beta, low=0)
+    if loss_type == "ipo" and beta == 0:
+        raise ValueError("beta is 0: loss_type='ipo' needs beta > 0 (its target margin is 1 / (2 beta))")
+    label_smoothing = _check_smoothing("dpo", loss_type, label_smoothing)
+    if loss_type == "robust" and label_smoothing >= 0.5:
+        raise ValueError(f"label_smoothing is {label_smoothing}: loss_type='robust' needs it in [0, 0.5)")
+    return PreferenceOptions("dpo", loss_type, beta, label_smoothing=label_smoothing)
+
+
+def orpo_options(beta: float) -> PreferenceOptions:
+    """ORPO's options, validated: the odds term's beta; the chosen NLL's weight is 1."""
+    return PreferenceOptions("orpo", beta=chunked.check_number("beta", beta, low=0), nll_weight=1.0)
+
+
+def simpo_options(beta: float, gamma: float) -> PreferenceOptions:
+    """SimPO's options, validated (gamma, the target margin, may have either sign)."""
+    beta, gamma = chunked.check_number("beta", beta, low=0), chunked.check_number("gamma", gamma)
+    return PreferenceOptions("simpo", beta=beta, gamma=gamma)
+
+
+def cpo_options(
+    beta: float, loss_type: str, label_smoothing: float, cpo_alpha: float, simpo_gamma: float, alpha: float
+) -> PreferenceOptions:
+    """CPO's options as TRL 1.16's ``CPOConfig`` takes them, validated; "alphapo" resolved as its
+    ``__post_init__`` resolves it (simpo with cpo_alpha = 0)."""
+    loss_type = chunked.check_choice("loss_type", loss_type, CPO_LOSS_TYPES)
+    if loss_type == "alphapo":
+        loss_type, cpo_alpha = "simpo", 0.0
+    beta = chunked.check_number("beta", beta, low=0)
+    if loss_type in ("ipo", "simpo") and beta == 0:
+        raise ValueError(f"beta is 0: loss_type={loss_type!r} needs beta > 0 (it divides by beta)")
+    cpo_alpha = chunked.check_number("cpo_alpha", cpo_alpha, low=0)
+    simpo_gamma, alpha = chunked.check_number("simpo_gamma", simpo_gamma), chunked.check_number("alpha", alpha)
+    label_smoothing = _check_smoothing("cpo", loss_type, label_smoothing)
+    return PreferenceOptions("cpo", loss_type, beta, simpo_gamma, label_smoothing, alpha, cpo_alpha)
+
+
+def kto_options(beta: float, loss_type: str, desirable_weight: float, undesirable_weight: float) -> PreferenceOptions:
+    """KTO's options as TRL 1.16's ``KTOConfig`` takes them, validated."""
+    loss_type = chunked.check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
+    return PreferenceOptions(
+        "kto", loss_type, chunked.check_number("beta", beta, low=0),
+        desirable_weight=chunked.check_number("desirable_weight", desirable_weight, low=0),
+        undesirable_weight=chunked.check_number("undesirable_weight", undesirable_weight, low=0),
+    )  # fmt: skip
+
+
+def kl_estimate(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
+    """TRL's KL estimate z0 from the KL completions' log-probabilities: their mean difference, clamped at 0 (a
+    constant: no gradient)."""
+    return (kl_logps.detach().to(torch.float64) - ref_kl_logps.detach().to(torch.float64)).mean().clamp(min=0)
+
+
+PAIRED_LAYOUT = "(2B, T, H), rows [0, B) the chosen and [B, 2B) the rejected sequences"
+UNPAIRED_LAYOUT = "(B, T, H), B completions each flagged by label"
+
+
+def _check_reference(ref_hidden, ref_weight, ref_logps, hidden, weight, who, layout):
+    """A frozen reference: its head (ref_hidden, ref_weight) or its per-sequence logp (ref_logps), exactly one."""
+    if ref_logps is not None:
+        if ref_hidden is not None or ref_weight is not None:
+            raise ValueError(f"{who} takes the reference as ref_hidden and ref_weight or as ref_logps, not both")
+        what = "the reference's log-probability of each sequence, in hidden's row order"
+        chunked.check_values("ref_logps", ref_logps, hidden.shape[:1], what)
+        return
+    if ref_hidden is None or ref_weight is None:
+        raise ValueError(
+            f"{who} needs a reference model: ref_hidden and ref_weight (its hidden states and lm_head weight), or "
+            f"ref_logps (its log-probability of each sequence, precomputed)"
+        )
+    names = ("hidden", "weight", "ref_hidden", "ref_weight")
+    chunked.check_second_head(hidden, weight, ref_hidden, ref_weight, names=names, layout=layout)
+
+
+def _check_kl(kl, kl_logps, ref_kl_logps, device: torch.device) -> torch.Tensor | None:
+    """KTO's KL estimate z0 as a device tensor: given (a number or a one-element tensor), or
+    :func:`kl_estimate` of the KL completions' log-probabilities; None for none (0)."""
+    if kl is not None and (kl_logps is not None or ref_kl_logps is not None):
+        raise ValueError("fused_linear_kto takes the KL estimate as kl or as kl_logps and ref_kl_logps, not both")
+    if (kl_logps is None) != (ref_kl_logps is None):
+        raise ValueError("kl_logps and ref_kl_logps come together: the policy's and the reference's log-probabilities "
+                         "of the same KL completions")  # fmt: skip
+    if kl_logps is not None:
+        for name, values in (("kl_logps", kl_logps), ("ref_kl_logps", ref_kl_logps)):
+            if not isinstance(values, torch.Tensor) or values.dim() != 1:
+                raise ValueError(f"{name} must be a 1-D tensor, one log-probability per KL completion")
+        chunked.check_values("kl_logps", kl_logps, kl_logps.shape, "the policy's log-probability of each KL completion")
+        what = "the reference's log-probabilities of the KL completions of kl_logps"
+        chunked.check_values("ref_kl_logps", ref_kl_logps, kl_logps.shape, what)
+        return kl_estimate(kl_logps, ref_kl_logps)
+    if kl is None:
+        return None
+    if isinstance(kl, torch.Tensor):
+        chunked.check_one_number("kl", kl, "the KL estimate")
+        return kl.reshape(())
+    # A host number: a fill on the device (no copy that would wait for the GPU)
+    return torch.full((), chunked.check_number("kl", kl), dtype=torch.float64, device=device)
+
+
 def _preference(o, hidden, weight, target, *, ref=(None, None, None), label=None, kl=None, nll_target=None,
-                ignore_index, chunk_name, chunk_units, accumulation, return_logps):  # fmt: skip
+                ignore_index, chunk_units, accumulation, return_logps):  # fmt: skip
     """Validate what every loss shares (ValueError before any work), then run the operator under autograd. Returns
     the loss, or (loss, the sequences' scores (N,), the reference's logp (N,) or an empty tensor)."""
     check_loss_options(LossOptions(ignore_index=ignore_index))
     paired = group_size(o.loss) == 2
     layout = PAIRED_LAYOUT if paired else UNPAIRED_LAYOUT
-    _check_head("hidden", hidden, "weight", weight, layout=layout)
+    chunked.check_head(hidden, weight, layout=layout)
     if paired and hidden.shape[0] % 2:
         raise ValueError(
             f"hidden has {hidden.shape[0]} sequences: expected an even number 2B, rows [0, B) chosen and [B, 2B) "
@@ -650,20 +626,16 @@ def _preference(o, hidden, weight, target, *, ref=(None, None, None), label=None
         _check_reference(ref_hidden, ref_weight, ref_logps, hidden, weight, f"fused_linear_{o.loss}", layout)
     check_target_tensor(target, hidden.shape[:-1])
     if nll_target is not None:
-        _check_values("nll_target", nll_target, (hidden.shape[0] // 2, hidden.shape[1]),
-                      "(B, T): the chosen rows' targets of the NLL term", "index")  # fmt: skip
-    accumulation = check_chunk_options(chunk_name, chunk_units, accumulation)
+        chunked.check_values("nll_target", nll_target, (hidden.shape[0] // 2, hidden.shape[1]),
+                             "(B, T): the chosen rows' targets of the NLL term", "index")  # fmt: skip
+    chunk_name = "chunk_pairs" if paired else "chunk_completions"
+    accumulation = chunked.check_chunk_options(chunk_name, chunk_units, accumulation)
     if ref_hidden is not None:  # a frozen model: constants of the call
         ref_hidden, ref_weight = ref_hidden.detach(), ref_weight.detach()
     constants = [None if t is None else t.detach() for t in (ref_logps, label, kl)]
-    grad_on = torch.is_grad_enabled()
-    needs = [grad_on and hidden.requires_grad, grad_on and weight.requires_grad]
-    arguments = (*o.arguments(), ignore_index, chunk_units, accumulation, needs)
+    arguments = (*o.arguments(), ignore_index, chunk_units, accumulation, chunked.needed_grads(hidden, weight))
     tensors = (hidden, weight, target, ref_hidden, ref_weight, *constants, nll_target)
-    if any(needs):
-        total, scores, ref_scores = FusedLinearPreferenceFunction.apply(*tensors, arguments)
-    else:
-        total, _, _, _, scores, ref_scores = torch.ops.liger_lab.fused_linear_preference(*tensors, *arguments)
+    total, scores, ref_scores = chunked.run_loss(_LOSSES[o.loss], tensors, arguments)
     return (total, scores, ref_scores) if return_logps else total
 
 
@@ -708,17 +680,9 @@ def fused_linear_dpo(
     accumulation: str | None = None,
     return_logps: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    loss_type = _check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
-    beta = _check_number("beta", beta, non_negative=True)
-    if loss_type == "ipo" and beta == 0:
-        raise ValueError("beta is 0: loss_type='ipo' needs beta > 0 (its target margin is 1 / (2 beta))")
-    label_smoothing = _check_smoothing("dpo", loss_type, label_smoothing)
-    if loss_type == "robust" and label_smoothing >= 0.5:
-        raise ValueError(f"label_smoothing is {label_smoothing}: loss_type='robust' needs it in [0, 0.5)")
-    o = PreferenceOptions("dpo", loss_type, beta, label_smoothing=label_smoothing)
     outputs = _preference(
-        o, hidden, weight, target, ref=(ref_hidden, ref_weight, ref_logps), ignore_index=ignore_index,
-        chunk_name="chunk_pairs", chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
+        dpo_options(beta, loss_type, label_smoothing), hidden, weight, target, ref=(ref_hidden, ref_weight, ref_logps),
+        ignore_index=ignore_index, chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
     )  # fmt: skip
     return _pair_outputs(outputs, hidden.shape[0] // 2, with_reference=True) if return_logps else outputs
 
@@ -755,10 +719,8 @@ def fused_linear_orpo(
     accumulation: str | None = None,
     return_logps: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    beta = _check_number("beta", beta, non_negative=True)
-    o = PreferenceOptions("orpo", beta=beta, nll_weight=1.0)
     outputs = _preference(
-        o, hidden, weight, target, nll_target=nll_target, ignore_index=ignore_index, chunk_name="chunk_pairs",
+        orpo_options(beta), hidden, weight, target, nll_target=nll_target, ignore_index=ignore_index,
         chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
     )  # fmt: skip
     return _pair_outputs(outputs, hidden.shape[0] // 2) if return_logps else outputs
@@ -792,11 +754,9 @@ def fused_linear_simpo(
     accumulation: str | None = None,
     return_logps: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    beta = _check_number("beta", beta, non_negative=True)
-    gamma = _check_number("gamma", gamma, non_negative=False)
     outputs = _preference(
-        PreferenceOptions("simpo", beta=beta, gamma=gamma), hidden, weight, target, ignore_index=ignore_index,
-        chunk_name="chunk_pairs", chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
+        simpo_options(beta, gamma), hidden, weight, target, ignore_index=ignore_index, chunk_units=chunk_pairs,
+        accumulation=accumulation, return_logps=return_logps,
     )  # fmt: skip
     return _pair_outputs(outputs, hidden.shape[0] // 2) if return_logps else outputs
 
@@ -825,19 +785,9 @@ def fused_linear_cpo(
     accumulation: str | None = None,
     return_logps: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    loss_type = _check_choice("loss_type", loss_type, CPO_LOSS_TYPES)
-    if loss_type == "alphapo":  # CPOConfig's shorthand, resolved as CPOConfig.__post_init__ does
-        loss_type, cpo_alpha = "simpo", 0.0
-    beta = _check_number("beta", beta, non_negative=True)
-    if loss_type in ("ipo", "simpo") and beta == 0:
-        raise ValueError(f"beta is 0: loss_type={loss_type!r} needs beta > 0 (it divides by beta)")
-    options = {"cpo_alpha": cpo_alpha, "simpo_gamma": simpo_gamma, "alpha": alpha}
-    cpo_alpha, simpo_gamma, alpha = (_check_number(k, v, non_negative=k == "cpo_alpha") for k, v in options.items())
-    label_smoothing = _check_smoothing("cpo", loss_type, label_smoothing)
-    o = PreferenceOptions("cpo", loss_type, beta, simpo_gamma, label_smoothing, alpha, cpo_alpha)
     outputs = _preference(
-        o, hidden, weight, target, ignore_index=ignore_index, chunk_name="chunk_pairs", chunk_units=chunk_pairs,
-        accumulation=accumulation, return_logps=return_logps,
+        cpo_options(beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha), hidden, weight, target,
+        ignore_index=ignore_index, chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
     )  # fmt: skip
     return _pair_outputs(outputs, hidden.shape[0] // 2) if return_logps else outputs
 
@@ -856,33 +806,6 @@ fused_linear_cpo.__doc__ = (
 """
     + _COMMON_DOC
 )
-
-
-def _check_kl(kl, kl_logps, ref_kl_logps, device: torch.device) -> torch.Tensor | None:
-    """KTO's KL estimate z0 as a device tensor: given (a number or a one-element tensor), or TRL's estimate from the
-    KL completions' log-probabilities, mean(kl_logps - ref_kl_logps) clamped at 0; None for none (0)."""
-    if kl is not None and (kl_logps is not None or ref_kl_logps is not None):
-        raise ValueError("fused_linear_kto takes the KL estimate as kl or as kl_logps and ref_kl_logps, not both")
-    if (kl_logps is None) != (ref_kl_logps is None):
-        raise ValueError("kl_logps and ref_kl_logps come together: the policy's and the reference's log-probabilities "
-                         "of the same KL completions")  # fmt: skip
-    if kl_logps is not None:
-        for name, values in (("kl_logps", kl_logps), ("ref_kl_logps", ref_kl_logps)):
-            if not isinstance(values, torch.Tensor) or values.dim() != 1:
-                raise ValueError(f"{name} must be a 1-D tensor, one log-probability per KL completion")
-        _check_values("kl_logps", kl_logps, kl_logps.shape, "the policy's log-probability of each KL completion")
-        what = "the reference's log-probabilities of the KL completions of kl_logps"
-        _check_values("ref_kl_logps", ref_kl_logps, kl_logps.shape, what)
-        return (kl_logps.detach().to(torch.float64) - ref_kl_logps.detach().to(torch.float64)).mean().clamp(min=0)
-    if kl is None:
-        return None
-    if isinstance(kl, torch.Tensor):
-        if kl.numel() != 1 or kl.dtype.is_complex:
-            raise ValueError(f"kl has shape {tuple(kl.shape)} and dtype {kl.dtype}: expected one real number")
-        runtime.check_device(kl=kl)
-        return kl.reshape(())
-    # A host number: a fill on the device (no copy that would wait for the GPU)
-    return torch.full((), _check_number("kl", kl, non_negative=False), dtype=torch.float64, device=device)
 
 
 def fused_linear_kto(
@@ -939,17 +862,11 @@ def fused_linear_kto(
     a target out of range in the interpreter; on the GPU it makes the loss and the gradients NaN. No host read, no
     caller's tensor modified.
     """
-    loss_type = _check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
-    beta = _check_number("beta", beta, non_negative=True)
-    weights = [_check_number(k, v, non_negative=True) for k, v in
-               (("desirable_weight", desirable_weight), ("undesirable_weight", undesirable_weight))]  # fmt: skip
-    _check_head("hidden", hidden, "weight", weight, layout=UNPAIRED_LAYOUT)  # first: label and kl need its shape
-    _check_values("label", label, hidden.shape[:1], "TRL's label: nonzero for a desirable completion", "flag")
+    o = kto_options(beta, loss_type, desirable_weight, undesirable_weight)
+    chunked.check_head(hidden, weight, layout=UNPAIRED_LAYOUT)  # first: label and kl need its shape
+    chunked.check_values("label", label, hidden.shape[:1], "TRL's label: nonzero for a desirable completion", "flag")
     kl = _check_kl(kl, kl_logps, ref_kl_logps, hidden.device)
-    o = PreferenceOptions("kto", loss_type, beta, desirable_weight=weights[0], undesirable_weight=weights[1])
-    outputs = _preference(
+    return _preference(
         o, hidden, weight, target, ref=(ref_hidden, ref_weight, ref_logps), label=label, kl=kl,
-        ignore_index=ignore_index, chunk_name="chunk_completions", chunk_units=chunk_completions,
-        accumulation=accumulation, return_logps=return_logps,
+        ignore_index=ignore_index, chunk_units=chunk_completions, accumulation=accumulation, return_logps=return_logps,
     )  # fmt: skip
-    return outputs

@@ -17,8 +17,8 @@ returns x's dtype. Statistics are always fp32.
 
 The forward reads x and writes y: 2 passes of n elements per row. The backward reads x and dy and
 writes dx; dw needs a sum over *all rows*, so each program of a persistent grid keeps a running fp32
-partial sum of its rows in registers and writes one row of partials at the end; a tiny torch sum over
-programs finishes it (no atomics, no bf16 accumulation).
+partial sum of its rows in registers and writes one row of partials at the end; one small Triton kernel sums the
+programs' rows and rounds once (:func:`liger_lab.ops.common.sum_partials`; no atomics, no bf16 accumulation).
 
 **The residual add fused in** (:func:`add_rms_norm`). A pre-norm decoder adds each sublayer's output x to the
 residual stream and normalises the sum::
@@ -39,6 +39,12 @@ s and normalises it (4 passes); the backward with HAS_DS reads dy, s and ds and 
 :func:`rms_norm` moves 3 + 2 passes forward (s written, then read back) and 3 + 3 backward (the norm writes its
 dx, then autograd reads it and ds and writes their sum): 11 passes against 8. At 16384 x 4096 in bf16 (128 MiB a
 pass) that is 384 MiB less traffic per call, and no buffer for the norm's own dx.
+
+**Operators** (:func:`liger_lab.ops.operators.define`): ``liger_lab::rms_norm`` and ``liger_lab::add_rms_norm``
+carry the autograd formulas; ``liger_lab::rms_norm_backward`` and its twin ``rms_norm_backward_`` (dx over dy) come
+from one declaration, as does ``liger_lab::add_rms_norm_backward``. Launch settings: the forward takes
+:func:`liger_lab.runtime.row_launch`'s rows, the backward a persistent grid (:func:`backward_launch`); the
+measurements behind both are in benchmarks/notes/rms_norm.md.
 """
 
 from __future__ import annotations
@@ -48,16 +54,19 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
+from liger_lab.ops import operators
 from liger_lab.ops.common import (
-    as_rows,
+    Rows,
     check_feature_vector,
     check_float,
     check_same_dtype,
     check_same_shape,
     in_place_requested,
     row_op_in_layout,
+    rows_of,
     sum_partials,
 )
+from liger_lab.ops.operators import dense_like
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -137,33 +146,31 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor, casting_mode: str) -> t
     return x.dtype if casting_mode == "gemma" else torch.promote_types(x.dtype, weight.dtype)
 
 
-def _forward(
-    x: torch.Tensor,
+def _launch_forward(
+    x: Rows,
     weight: torch.Tensor,
     eps: float,
     offset: float,
     casting_mode: str,
-    residual: torch.Tensor | None,
-    launch: runtime.RowLaunch | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Launch the forward on 2-D row views: (y, s, rstd), with s = x + residual (None without a residual).
-    ``launch``: the tiling, :func:`liger_lab.runtime.row_launch`'s by default (a sweep passes its own)."""
-    n_rows, n_cols = x.shape
-    y = torch.empty((n_rows, n_cols), dtype=_output_dtype(x, weight, casting_mode), device=x.device)
-    s = None if residual is None else torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    if n_rows == 0:
-        return y, s, rstd
-    launch = launch or runtime.row_launch(n_rows, n_cols)
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+    residual: Rows | None = None,
+    s: torch.Tensor | None = None,
+    launch: runtime.RowLaunch | None = None,
+) -> None:
+    """The forward over the rows of x, into dense y and s (x's rows, n_cols apart) and rstd (one per row); with
+    ``residual``, s = x + residual into ``s`` and the norm of s into y. ``launch``: the tiling,
+    :func:`liger_lab.runtime.row_launch`'s by default."""
+    if x.n_rows == 0:
+        return
+    launch = launch or runtime.row_launch(x.n_rows, x.n_cols)
     # Every argument is passed, None where unused: torch.compile's analysis of a traced launch wants them all.
     runtime.launch_kernel(_rms_norm_forward_kernel, (launch.grid,),
-        x, x.stride(0), weight, y, y.stride(0), rstd, n_rows, n_cols, eps, offset,
+        x.data, x.stride, weight, y, x.n_cols, rstd, x.n_rows, x.n_cols, eps, offset,
         GEMMA_CASTING=casting_mode == "gemma", ROWS=launch.rows, BLOCK_N=launch.block_n,
-        r_ptr=residual, r_row_stride=0 if residual is None else residual.stride(0),
-        s_ptr=s, s_row_stride=0 if s is None else s.stride(0), HAS_RESIDUAL=residual is not None,
-        num_warps=launch.num_warps,
+        r_ptr=None if residual is None else residual.data, r_row_stride=0 if residual is None else residual.stride,
+        s_ptr=s, s_row_stride=x.n_cols, HAS_RESIDUAL=residual is not None, num_warps=launch.num_warps,
     )  # fmt: skip
-    return y, s, rstd
 
 
 def rms_norm_forward(
@@ -175,8 +182,10 @@ def rms_norm_forward(
     *,
     launch: runtime.RowLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward on a 2-D row view. Returns (y, rstd)."""
-    y, _, rstd = _forward(x, weight, eps, offset, casting_mode, residual=None, launch=launch)
+    """Launch the forward on a 2-D row view. Returns (y, rstd). ``launch``: the tiling (a sweep passes its own)."""
+    y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, casting_mode))
+    rstd = x.new_empty(x.shape[0], dtype=torch.float32)
+    _launch_forward(rows_of(x), weight, eps, offset, casting_mode, y, rstd, launch=launch)
     return y, rstd
 
 
@@ -191,14 +200,52 @@ def add_rms_norm_forward(
     launch: runtime.RowLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused add + norm on 2-D row views of one shape and dtype. Returns (y, s, rstd)."""
-    return _forward(x, weight, eps, offset, casting_mode, residual=residual, launch=launch)
+    y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, casting_mode))
+    s, rstd = x.new_empty(x.shape), x.new_empty(x.shape[0], dtype=torch.float32)
+    _launch_forward(rows_of(x), weight, eps, offset, casting_mode, y, rstd, rows_of(residual), s, launch=launch)
+    return y, s, rstd
+
+
+def _persistent_launch(n_rows: int, n_cols: int, *streamed: torch.Tensor | None) -> runtime.RowLaunch:
+    """The persistent grid, told the bytes per column its loop loads (of each tensor ``streamed``) so that it keeps
+    as many tiles in flight as shared memory holds."""
+    stream_bytes = sum(t.element_size() for t in streamed if t is not None)
+    return runtime.persistent_row_launch(n_rows, n_cols, stream_bytes=stream_bytes)
 
 
 def backward_launch(dy: torch.Tensor, x: torch.Tensor, ds: torch.Tensor | None = None) -> runtime.RowLaunch:
-    """The backward's default tiling on 2-D row views: the persistent grid, told the bytes per column its loop loads
-    (dy, x and, for the fused add, ds) so that it keeps as many tiles in flight as shared memory holds."""
-    stream_bytes = sum(t.element_size() for t in (dy, x, ds) if t is not None)
-    return runtime.persistent_row_launch(x.shape[0], x.shape[1], stream_bytes=stream_bytes)
+    """The backward's default tiling on 2-D row views of dy, x and, for the fused add, ds."""
+    return _persistent_launch(x.shape[0], x.shape[1], dy, x, ds)
+
+
+def _launch_backward(
+    dy: Rows,
+    x: Rows,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    dx: torch.Tensor,
+    dw: torch.Tensor,
+    ds: Rows | None = None,
+    launch: runtime.RowLaunch | None = None,
+) -> None:
+    """The backward over the rows of x (rstd: one contiguous statistic per row), into dense dx (x's rows; it may be
+    ``dy`` itself: each program reads a tile before it writes it) and dw. ``ds``, when given, is a gradient that
+    reached x directly (x is then the fused add's sum, an output of its own) and is added into dx. ``launch``: the
+    persistent grid, :func:`backward_launch`'s by default."""
+    n_rows, n_cols = x.n_rows, x.n_cols
+    if n_rows == 0:  # no rows: no launch (a persistent grid of 0 programs), and dw sums nothing
+        dw.zero_()
+        return
+    launch = launch or _persistent_launch(n_rows, n_cols, dy.data, x.data, None if ds is None else ds.data)
+    dw_partial = x.data.new_empty((launch.grid, n_cols), dtype=torch.float32)
+    runtime.launch_kernel(_rms_norm_backward_kernel, (launch.grid,),
+        dy.data, dy.stride, x.data, x.stride, weight, rstd, dx, n_cols, dw_partial, n_rows, n_cols, offset,
+        ROWS=launch.rows, BLOCK_N=launch.block_n, NUM_STAGES=launch.num_stages,
+        ds_ptr=None if ds is None else ds.data, ds_row_stride=0 if ds is None else ds.stride, HAS_DS=ds is not None,
+        num_warps=launch.num_warps,
+    )  # fmt: skip
+    sum_partials(dw_partial, dw.dtype, out=(dw,))
 
 
 def rms_norm_backward(
@@ -212,97 +259,80 @@ def rms_norm_backward(
     *,
     launch: runtime.RowLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward on 2-D row views. Returns (dx, dw); dx goes into ``dx`` when given (it may be
-    ``dy`` itself: each program reads a tile before it writes it). ``ds``, when given, is a gradient that
-    reached x directly (x is then the fused add's sum, an output of its own) and is added into dx.
-    ``launch``: the persistent grid, :func:`backward_launch`'s by default."""
-    n_rows, n_cols = x.shape
-    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-    rstd = rstd.contiguous().view(-1)  # the kernel reads row i's statistic at offset i, whatever rstd's shape
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if dx is None else dx
-    if n_rows == 0:  # no rows: no launch (a persistent grid of 0 programs), and dw sums nothing
-        return dx, torch.zeros_like(weight)
-    launch = launch or backward_launch(dy, x, ds)
-    dw_partial = torch.empty((launch.grid, n_cols), dtype=torch.float32, device=x.device)
-    if ds is not None and ds.stride(-1) != 1:
-        ds = ds.contiguous()
-    runtime.launch_kernel(_rms_norm_backward_kernel, (launch.grid,),
-        dy, dy.stride(0), x, x.stride(0), weight, rstd, dx, dx.stride(0), dw_partial, n_rows, n_cols, offset,
-        ROWS=launch.rows, BLOCK_N=launch.block_n, NUM_STAGES=launch.num_stages,
-        ds_ptr=ds, ds_row_stride=0 if ds is None else ds.stride(0), HAS_DS=ds is not None,
-        num_warps=launch.num_warps,
-    )  # fmt: skip
-    (dw,) = sum_partials(dw_partial, weight.dtype)
+    """Launch the backward on 2-D row views. Returns (dx, dw); dx goes into ``dx`` when given (dense; it may be
+    ``dy`` itself). ``ds`` and ``launch`` as in the operators' launcher."""
+    dx = x.new_empty(x.shape) if dx is None else dx
+    dw = torch.empty_like(weight)
+    _launch_backward(rows_of(dy), rows_of(x), weight, rstd.contiguous(), offset, dx, dw,
+                     None if ds is None else rows_of(ds), launch)  # fmt: skip
     return dx, dw
 
 
 # --------------------------------------------------------------------------------------------------
-# PyTorch operators. The kernels run inside ``torch.library`` custom ops, so torch.compile sees one opaque
-# call with a known output (the fake implementations) instead of tracing into Triton's launcher.
+# PyTorch operators (liger_lab.ops.operators): torch.compile sees one opaque call with a known output instead of
+# tracing into Triton's launcher. Each launcher below writes into the buffers the declaration allocates.
 
 
-@torch.library.custom_op("liger_lab::rms_norm", mutates_args=())
-def rms_norm_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str, in_place_backward: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): y of x's shape, one fp32 rstd per row, shaped x.shape[:-1] (so a DTensor shards it as it shards
-    x). ``in_place_backward`` only steers the backward."""
-    y, rstd = rms_norm_forward(as_rows(x), weight.contiguous(), eps, offset, casting_mode)
-    return y.view(x.shape), rstd.view(x.shape[:-1])
+def _rms_norm_into(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    casting_mode: str,
+    in_place_backward: bool,
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+) -> None:
+    """y of x's shape, one fp32 rstd per row, shaped x.shape[:-1] (so a DTensor shards it as it shards x).
+    ``in_place_backward`` only steers the backward (the formula reads it from the call)."""
+    _launch_forward(rows_of(x), weight.contiguous(), eps, offset, casting_mode, y, rstd)
 
 
-@rms_norm_op.register_fake
-def _(x, weight, eps, offset, casting_mode, in_place_backward):
-    out_dtype = x.dtype if casting_mode == "gemma" else torch.promote_types(x.dtype, weight.dtype)
-    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
+def _rms_norm_backward_into(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float, dx: torch.Tensor,
+    dw: torch.Tensor,
+) -> None:  # fmt: skip
+    """dx and dw; the twin passes dy as dx (contiguous, in x's dtype)."""
+    _launch_backward(rows_of(dy), rows_of(x), weight.contiguous(), rstd.contiguous(), offset, dx, dw)
 
 
-@torch.library.custom_op("liger_lab::rms_norm_backward", mutates_args=())
-def rms_norm_backward_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dw) into fresh buffers."""
-    dx, dw = rms_norm_backward(as_rows(dy), as_rows(x), weight.contiguous(), rstd, offset, dx=None)
-    return dx.view(x.shape), dw
-
-
-@rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, offset):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
-
-
-@torch.library.custom_op("liger_lab::rms_norm_backward_", mutates_args=("dy",))
-def rms_norm_backward_in_place_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float
-) -> torch.Tensor:
-    """dw, with dx written over dy (which must be contiguous, in x's dtype)."""
-    dy_rows = as_rows(dy)
-    return rms_norm_backward(dy_rows, as_rows(x), weight.contiguous(), rstd, offset, dx=dy_rows)[1]
-
-
-@rms_norm_backward_in_place_op.register_fake
-def _(dy, x, weight, rstd, offset):
-    return torch.empty_like(weight)
+RMS_NORM_BACKWARD = operators.define(
+    "rms_norm_backward",
+    _rms_norm_backward_into,
+    outputs={"dx": lambda dy, x, *_: dense_like(x), "dw": lambda dy, x, weight, *_: torch.empty_like(weight)},
+    in_place={"dx": "dy"},
+)
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, _, offset, _, in_place_backward = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.offset, ctx.in_place = offset, in_place_backward
+    # rstd's gradient arrives as None rather than as zeros autograd would allocate and fill for every call.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, _drstd):
+    if dy is None:  # only rstd was used (a direct call of the operator): it is a constant of x's values here
+        return None, None, None, None, None, None
     x, weight, rstd = ctx.saved_tensors
     # Writing dx over dy saves a buffer, but only when nobody else reads dy (see rms_norm's docstring):
     # an opt-in, and only for a dense dy of x's dtype that the kernel can overwrite row by row.
     if ctx.in_place and dy.dtype == x.dtype and dy.is_contiguous():
-        dw = torch.ops.liger_lab.rms_norm_backward_(dy, x, weight, rstd, ctx.offset)
-        return dy, dw, None, None, None, None
-    dx, dw = torch.ops.liger_lab.rms_norm_backward(dy, x, weight, rstd, ctx.offset)
-    return dx, dw, None, None, None, None
+        return dy, RMS_NORM_BACKWARD.in_place(dy, x, weight, rstd, ctx.offset), None, None, None, None
+    return *RMS_NORM_BACKWARD(dy, x, weight, rstd, ctx.offset), None, None, None, None
 
 
-rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+RMS_NORM = operators.define(
+    "rms_norm",
+    _rms_norm_into,
+    outputs={
+        "y": lambda x, weight, eps, offset, casting_mode, _: dense_like(x, _output_dtype(x, weight, casting_mode)),
+        "rstd": lambda x, *_: x.new_empty(x.shape[:-1], dtype=torch.float32),
+    },
+    setup_context=_setup_context,
+    backward=_backward,
+)
 
 
 def _check_arguments(x: torch.Tensor, weight: torch.Tensor, eps: float, casting_mode: str) -> None:
@@ -334,7 +364,7 @@ def rms_norm(
     _check_arguments(x, weight, eps, casting_mode)
     in_place = in_place_requested(in_place_backward, x)
     return row_op_in_layout(
-        lambda rows: torch.ops.liger_lab.rms_norm(rows, weight, float(eps), float(offset), casting_mode, in_place)[0], x
+        lambda rows: RMS_NORM(rows, weight, float(eps), float(offset), casting_mode, in_place)[0], x
     )
 
 
@@ -343,35 +373,36 @@ def rms_norm(
 # in the forward and HAS_DS in the backward.
 
 
-@torch.library.custom_op("liger_lab::add_rms_norm", mutates_args=())
-def add_rms_norm_op(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, s, rstd): y and s = x + residual of x's shape, one fp32 rstd per row (shaped x.shape[:-1])."""
-    y, s, rstd = add_rms_norm_forward(as_rows(x), as_rows(residual), weight.contiguous(), eps, offset, casting_mode)
-    return y.view(x.shape), s.view(x.shape), rstd.view(x.shape[:-1])
+def _add_rms_norm_into(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    casting_mode: str,
+    y: torch.Tensor,
+    s: torch.Tensor,
+    rstd: torch.Tensor,
+) -> None:
+    """y and s = x + residual of x's shape, one fp32 rstd per row (shaped x.shape[:-1])."""
+    _launch_forward(rows_of(x), weight.contiguous(), eps, offset, casting_mode, y, rstd, rows_of(residual), s)
 
 
-@add_rms_norm_op.register_fake
-def _(x, residual, weight, eps, offset, casting_mode):
-    y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, casting_mode))
-    return y, x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+def _add_rms_norm_backward_into(
+    dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+    offset: float, dx: torch.Tensor, dw: torch.Tensor,
+) -> None:  # fmt: skip
+    """The gradient of s (ds, None: zero, plus the norm's backward of dy), which is the gradient of x and of
+    residual alike, and dw."""
+    _launch_backward(rows_of(dy), rows_of(s), weight.contiguous(), rstd.contiguous(), offset, dx, dw,
+                     None if ds is None else rows_of(ds))  # fmt: skip
 
 
-@torch.library.custom_op("liger_lab::add_rms_norm_backward", mutates_args=())
-def add_rms_norm_backward_op(
-    dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the gradient of s, dw): ds (None: zero) plus the norm's backward of dy, into a fresh buffer. It is the
-    gradient of x and of residual alike."""
-    ds_rows = None if ds is None else as_rows(ds)
-    dx, dw = rms_norm_backward(as_rows(dy), as_rows(s), weight.contiguous(), rstd, offset, ds=ds_rows)
-    return dx.view(s.shape), dw
-
-
-@add_rms_norm_backward_op.register_fake
-def _(dy, ds, s, weight, rstd, offset):
-    return torch.empty_like(s, memory_format=torch.contiguous_format), torch.empty_like(weight)
+ADD_RMS_NORM_BACKWARD = operators.define(
+    "add_rms_norm_backward",
+    _add_rms_norm_backward_into,
+    outputs={"dx": lambda dy, ds, s, *_: dense_like(s), "dw": lambda dy, ds, s, weight, *_: torch.empty_like(weight)},
+)
 
 
 def _add_setup_context(ctx, inputs, output):
@@ -388,12 +419,22 @@ def _add_backward(ctx, dy, ds, _drstd):
     s, weight, rstd = ctx.saved_tensors
     if dy is None:  # only the sum was used: its gradient goes to both addends, as in x + residual
         return ds, ds, None if ds is None else torch.zeros_like(weight), None, None, None
-    dx, dw = torch.ops.liger_lab.add_rms_norm_backward(dy, ds, s, weight, rstd, ctx.offset)
+    dx, dw = ADD_RMS_NORM_BACKWARD(dy, ds, s, weight, rstd, ctx.offset)
     # One tensor for both addends, as autograd's own x + residual does (a leaf's .grad gets a copy).
     return dx, dx, dw, None, None, None
 
 
-add_rms_norm_op.register_autograd(_add_backward, setup_context=_add_setup_context)
+ADD_RMS_NORM = operators.define(
+    "add_rms_norm",
+    _add_rms_norm_into,
+    outputs={
+        "y": lambda x, residual, weight, eps, offset, mode: dense_like(x, _output_dtype(x, weight, mode)),
+        "s": lambda x, *_: dense_like(x),
+        "rstd": lambda x, *_: x.new_empty(x.shape[:-1], dtype=torch.float32),
+    },
+    setup_context=_add_setup_context,
+    backward=_add_backward,
+)
 
 
 def add_rms_norm(
@@ -417,5 +458,5 @@ def add_rms_norm(
     check_same_shape(x=x, residual=residual)
     check_same_dtype(x=x, residual=residual)
     _check_arguments(x, weight, eps, casting_mode)
-    y, s, _ = torch.ops.liger_lab.add_rms_norm(x, residual, weight, float(eps), float(offset), casting_mode)
+    y, s, _ = ADD_RMS_NORM(x, residual, weight, float(eps), float(offset), casting_mode)
     return y, s

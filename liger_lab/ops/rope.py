@@ -27,10 +27,16 @@ of one head before the next, would fetch the tables from HBM again for every hea
 views walk the heads of one position together and reuse each table row at once. q and k are read through their
 strides (copying a transposed view to contiguous memory first would double the bytes), and outputs keep the
 memory layout of their inputs.
+
+**Operators** (:func:`liger_lab.ops.operators.define`): ``liger_lab::rope`` carries the autograd formula,
+``liger_lab::rope_backward`` rotates the gradients back; multimodal RoPE (liger_lab/ops/mrope.py) declares its own
+two the same way around the same kernel. Launch settings: :func:`rope_tile`, whose defaults and their measurement
+are in benchmarks/notes/rope.md.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +44,7 @@ import triton
 import triton.language as tl
 
 from liger_lab import reference, runtime
+from liger_lab.ops import operators
 from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape, same_shape
 
 # Half-row elements (rows x head_dim / 2) per program on the GPU, and a warp per _GPU_WARP_ELEMENTS of them:
@@ -49,13 +56,25 @@ _CPU_PROGRAM_ELEMENTS = 65536
 
 
 @triton.jit
+def _position_stream(cols, section_h, section_w, HALF: tl.constexpr, MROPE: tl.constexpr):
+    """Multimodal RoPE: the position stream (0 temporal, 1 height, 2 width) that rotates each feature pair."""
+    if MROPE == 1:  # sections one after another (Qwen2-VL): temporal pairs, then height, then width
+        stream = (cols >= HALF - section_h - section_w).to(tl.int64) + (cols >= HALF - section_w).to(tl.int64)
+    else:  # interleaved (Qwen3-VL): t h w t h w ..., temporal wherever the height or width pairs have run out
+        height = (cols % 3 == 1) & (cols < 3 * section_h)
+        width = (cols % 3 == 2) & (cols < 3 * section_w)
+        stream = height.to(tl.int64) + 2 * width.to(tl.int64)
+    return stream
+
+
+@triton.jit
 def _rotate_rows(
     x_ptr, x_batch_stride, x_head_stride, x_seq_stride, x_dim_stride,
     y_ptr, y_batch_stride, y_head_stride, y_seq_stride, y_dim_stride,
-    cos_ptr, cos_batch_stride, cos_seq_stride, cos_dim_stride,
-    sin_ptr, sin_batch_stride, sin_seq_stride, sin_dim_stride,
-    first_row, n_rows, n_heads, seq_len,
-    BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+    cos_ptr, cos_stream_stride, cos_batch_stride, cos_seq_stride, cos_dim_stride,
+    sin_ptr, sin_stream_stride, sin_batch_stride, sin_seq_stride, sin_dim_stride,
+    first_row, n_rows, n_heads, seq_len, section_h, section_w,
+    BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, HALF: tl.constexpr, MROPE: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Rotate rows [first_row, first_row + BLOCK_R) of one tensor (q or k), rows counted in memory order."""
@@ -71,6 +90,10 @@ def _rotate_rows(
 
     cos_lo = cos_ptr + batch * cos_batch_stride + pos * cos_seq_stride + cols * cos_dim_stride
     sin_lo = sin_ptr + batch * sin_batch_stride + pos * sin_seq_stride + cols * sin_dim_stride
+    if MROPE != 0:  # multimodal RoPE: each feature pair takes its angle from its section's position stream
+        stream = _position_stream(cols, section_h, section_w, HALF, MROPE)
+        cos_lo += stream * cos_stream_stride
+        sin_lo += stream * sin_stream_stride
     c1 = tl.load(cos_lo, mask=mask, other=0.0).to(tl.float32)
     c2 = tl.load(cos_lo + HALF * cos_dim_stride, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_lo, mask=mask, other=0.0).to(tl.float32)
@@ -93,10 +116,10 @@ def _rope_kernel(
     k_ptr, k_batch_stride, k_head_stride, k_seq_stride, k_dim_stride,
     qo_ptr, qo_batch_stride, qo_head_stride, qo_seq_stride, qo_dim_stride,
     ko_ptr, ko_batch_stride, ko_head_stride, ko_seq_stride, ko_dim_stride,
-    cos_ptr, cos_batch_stride, cos_seq_stride, cos_dim_stride,
-    sin_ptr, sin_batch_stride, sin_seq_stride, sin_dim_stride,
-    batch, seq_len, n_q_heads, n_k_heads,
-    BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+    cos_ptr, cos_stream_stride, cos_batch_stride, cos_seq_stride, cos_dim_stride,
+    sin_ptr, sin_stream_stride, sin_batch_stride, sin_seq_stride, sin_dim_stride,
+    batch, seq_len, n_q_heads, n_k_heads, section_h, section_w,
+    BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, HALF: tl.constexpr, MROPE: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # The first programs take q's rows, the rest k's: one launch for both.
@@ -107,18 +130,19 @@ def _rope_kernel(
         _rotate_rows(
             q_ptr, q_batch_stride, q_head_stride, q_seq_stride, q_dim_stride,
             qo_ptr, qo_batch_stride, qo_head_stride, qo_seq_stride, qo_dim_stride,
-            cos_ptr, cos_batch_stride, cos_seq_stride, cos_dim_stride,
-            sin_ptr, sin_batch_stride, sin_seq_stride, sin_dim_stride,
-            program * BLOCK_R, n_q_rows, n_q_heads, seq_len, BACKWARD, HEADS_INNER, HALF, BLOCK_R, BLOCK_D,
+            cos_ptr, cos_stream_stride, cos_batch_stride, cos_seq_stride, cos_dim_stride,
+            sin_ptr, sin_stream_stride, sin_batch_stride, sin_seq_stride, sin_dim_stride,
+            program * BLOCK_R, n_q_rows, n_q_heads, seq_len, section_h, section_w, BACKWARD, HEADS_INNER, HALF, MROPE,
+            BLOCK_R, BLOCK_D,
         )  # fmt: skip
     else:
         _rotate_rows(
             k_ptr, k_batch_stride, k_head_stride, k_seq_stride, k_dim_stride,
             ko_ptr, ko_batch_stride, ko_head_stride, ko_seq_stride, ko_dim_stride,
-            cos_ptr, cos_batch_stride, cos_seq_stride, cos_dim_stride,
-            sin_ptr, sin_batch_stride, sin_seq_stride, sin_dim_stride,
-            (program - q_programs) * BLOCK_R, n_k_rows, n_k_heads, seq_len, BACKWARD, HEADS_INNER, HALF, BLOCK_R,
-            BLOCK_D,
+            cos_ptr, cos_stream_stride, cos_batch_stride, cos_seq_stride, cos_dim_stride,
+            sin_ptr, sin_stream_stride, sin_batch_stride, sin_seq_stride, sin_dim_stride,
+            (program - q_programs) * BLOCK_R, n_k_rows, n_k_heads, seq_len, section_h, section_w, BACKWARD,
+            HEADS_INNER, HALF, MROPE, BLOCK_R, BLOCK_D,
         )  # fmt: skip
 
 
@@ -132,12 +156,14 @@ class RopeTile:
     num_warps: int
 
 
+@functools.lru_cache(maxsize=256)
 def rope_tile(head_dim: int, *, block_r: int | None = None, num_warps: int | None = None) -> RopeTile:
-    """Launch settings for rows of ``head_dim``; the keyword arguments override the defaults (tuning sweeps, tests)."""
-    block_d = triton.next_power_of_2(max(head_dim // 2, 1))
+    """Launch settings for rows of ``head_dim`` (kept per head size: every call asks); the keyword arguments override
+    the defaults (tuning sweeps, tests)."""
+    block_d = runtime.next_power_of_2(max(head_dim // 2, 1))
     if block_r is None:
         block_r = max(1, runtime.pick(cpu=_CPU_PROGRAM_ELEMENTS, gpu=_GPU_PROGRAM_ELEMENTS) // block_d)
-    block_r = triton.next_power_of_2(block_r)
+    block_r = runtime.next_power_of_2(block_r)
     if num_warps is None:
         num_warps = runtime.pick(cpu=1, gpu=max(1, min(8, block_r * block_d // _GPU_WARP_ELEMENTS)))
     return RopeTile(block_r, block_d, num_warps)
@@ -147,9 +173,11 @@ def _strides4(x: torch.Tensor) -> tuple[int, int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
 
 
-def _angle_strides(angle: torch.Tensor) -> tuple[int, int, int]:
-    # A (1, T, D) table is shared by the whole batch: stride 0 along batch broadcasts it.
-    return (angle.stride(0) if angle.shape[0] > 1 else 0), angle.stride(1), angle.stride(2)
+def _angle_strides(angle: torch.Tensor) -> tuple[int, int, int, int]:
+    # (stream, batch, position, feature): a (B or 1, T, D) table is one stream, multimodal RoPE's (3, B or 1, T, D)
+    # three. A table of batch 1 is shared by the whole batch: stride 0 along batch broadcasts it.
+    stream_stride, table = (angle.stride(0), angle[0]) if angle.dim() == 4 else (0, angle)
+    return stream_stride, (table.stride(0) if table.shape[0] > 1 else 0), table.stride(1), table.stride(2)
 
 
 def rope_rotate(
@@ -162,8 +190,15 @@ def rope_rotate(
     *,
     backward: bool,
     tile: RopeTile | None = None,
+    mrope_section: tuple[int, int, int] | None = None,
+    interleaved: bool = False,
 ) -> None:
-    """One launch: q_out, k_out = rotation of q, k (``backward=True``: its transpose). Any strides."""
+    """One launch: q_out, k_out = rotation of q, k (``backward=True``: its transpose). Any strides.
+
+    With ``mrope_section`` (temporal, height, width feature pairs), cos and sin are multimodal RoPE's three position
+    streams, (3, B or 1, T, D), and the sections pick the stream of each pair: one after another, or ``interleaved``
+    (see liger_lab/ops/mrope.py).
+    """
     batch, q_heads, seq_len, head_dim = q.shape
     k_heads = k.shape[1]
     if batch == 0 or seq_len == 0 or q_heads + k_heads == 0:
@@ -171,12 +206,14 @@ def rope_rotate(
     tile = tile or rope_tile(head_dim)
     # One row order for both tensors, q's memory order (any order is correct; memory order streams).
     heads_inner = q.stride(1) < q.stride(2)
-    grid = triton.cdiv(batch * q_heads * seq_len, tile.block_r) + triton.cdiv(batch * k_heads * seq_len, tile.block_r)
+    mrope = 0 if mrope_section is None else 2 if interleaved else 1
+    _, section_h, section_w = mrope_section or (0, 0, 0)
+    grid = runtime.cdiv(batch * q_heads * seq_len, tile.block_r) + runtime.cdiv(batch * k_heads * seq_len, tile.block_r)
     runtime.launch_kernel(_rope_kernel, (grid,),
         q, *_strides4(q), k, *_strides4(k), q_out, *_strides4(q_out), k_out, *_strides4(k_out),
-        cos, *_angle_strides(cos), sin, *_angle_strides(sin), batch, seq_len, q_heads, k_heads,
-        BACKWARD=backward, HEADS_INNER=heads_inner, HALF=head_dim // 2, BLOCK_R=tile.block_r, BLOCK_D=tile.block_d,
-        num_warps=tile.num_warps,
+        cos, *_angle_strides(cos), sin, *_angle_strides(sin), batch, seq_len, q_heads, k_heads, section_h, section_w,
+        BACKWARD=backward, HEADS_INNER=heads_inner, HALF=head_dim // 2, MROPE=mrope, BLOCK_R=tile.block_r,
+        BLOCK_D=tile.block_d, num_warps=tile.num_warps,
     )  # fmt: skip
 
 
@@ -198,36 +235,39 @@ def _angle_grads(
 
 
 # --------------------------------------------------------------------------------------------------
-# PyTorch operators (see liger_lab/ops/rms_norm.py): what torch.compile sees instead of the launcher.
+# PyTorch operators (liger_lab.ops.operators, as in liger_lab/ops/rms_norm.py): what torch.compile sees instead of
+# the launcher.
 
 
-@torch.library.custom_op("liger_lab::rope", mutates_args=())
-def rope_op(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q rotated, k rotated) in the promoted dtype of q and cos, in q's and k's memory layouts."""
-    q_out, k_out = _rotated_like(q, k, torch.promote_types(q.dtype, cos.dtype))
+def rotated_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The buffer a rotation of ``x`` is written into: ``empty_like`` keeps a dense input's strides, so a transposed
+    (B, T, H, D) view stays that layout."""
+    return torch.empty_like(x, dtype=dtype)
+
+
+def _rope_into(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor
+) -> None:
+    """q and k rotated, in the promoted dtype of q and cos, in q's and k's memory layouts."""
     rope_rotate(q, k, cos, sin, q_out, k_out, backward=False)
-    return q_out, k_out
 
 
-@torch.library.custom_op("liger_lab::rope_backward", mutates_args=())
-def rope_backward_op(
-    dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq, dk): the transposed rotation of the output gradients, in q's dtype."""
-    dq, dk = _rotated_like(dq_out, dk_out, qk_dtype)
+def _rope_backward_into(
+    dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_dtype: torch.dtype,
+    dq: torch.Tensor, dk: torch.Tensor,
+) -> None:  # fmt: skip
+    """dq and dk: the transposed rotation of the output gradients, in q's dtype."""
     rope_rotate(dq_out, dk_out, cos, sin, dq, dk, backward=True)
-    return dq, dk
 
 
-def _rotated_like(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # empty_like keeps a dense input's strides: a transposed (B, T, H, D) view stays that layout.
-    return torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
-
-
-rope_op.register_fake(lambda q, k, cos, sin: _rotated_like(q, k, torch.promote_types(q.dtype, cos.dtype)))
-rope_backward_op.register_fake(lambda dq_out, dk_out, cos, sin, qk_dtype: _rotated_like(dq_out, dk_out, qk_dtype))
+ROPE_BACKWARD = operators.define(
+    "rope_backward",
+    _rope_backward_into,
+    outputs={
+        "dq": lambda dq_out, dk_out, cos, sin, qk_dtype: rotated_like(dq_out, qk_dtype),
+        "dk": lambda dq_out, dk_out, cos, sin, qk_dtype: rotated_like(dk_out, qk_dtype),
+    },
+)
 
 
 def _setup_context(ctx, inputs, output):
@@ -239,14 +279,23 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dq_out, dk_out):
     cos, sin, *qk = ctx.saved_tensors
-    dq, dk = torch.ops.liger_lab.rope_backward(dq_out, dk_out, cos, sin, ctx.qk_dtype)
+    dq, dk = ROPE_BACKWARD(dq_out, dk_out, cos, sin, ctx.qk_dtype)
     if not ctx.angle_grad:
         return dq, dk, None, None
     dcos, dsin = _angle_grads(dq_out, dk_out, *qk, cos.shape[0])
     return dq, dk, dcos.to(cos.dtype), dsin.to(sin.dtype)
 
 
-rope_op.register_autograd(_backward, setup_context=_setup_context)
+ROPE = operators.define(
+    "rope",
+    _rope_into,
+    outputs={
+        "q_out": lambda q, k, cos, sin: rotated_like(q, torch.promote_types(q.dtype, cos.dtype)),
+        "k_out": lambda q, k, cos, sin: rotated_like(k, torch.promote_types(q.dtype, cos.dtype)),
+    },
+    setup_context=_setup_context,
+    backward=_backward,
+)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -290,7 +339,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     q and k are rotated in one kernel launch, forward and backward.
     """
     _check_inputs(q, k, cos, sin)
-    return torch.ops.liger_lab.rope(q, k, cos, sin)
+    return ROPE(q, k, cos, sin)
 
 
 def apply_rotary_pos_emb(

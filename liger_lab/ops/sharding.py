@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 # The operators must be registered with torch.library before DTensor can be told about them.
-from liger_lab.ops import layer_norm, rms_norm, rope, swiglu  # noqa: F401
+from liger_lab.ops import glu, layer_norm, rms_norm, rope  # noqa: F401
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard

@@ -43,9 +43,9 @@ class OpSpec:
     operators: tuple[str, ...]
     """The ``liger_lab::`` operators this op is built from: the forward first, then backward and in-place ones."""
     registered_autograd: bool = True
-    """Whether the forward operator carries its autograd formula (``register_autograd``). The losses that
-    make their gradient in the forward and scale it in place in the backward use an ``autograd.Function``
-    instead: a registered formula may not modify the operator's outputs."""
+    """Whether the forward operator carries its autograd formula (``liger_lab.ops.operators.define``'s
+    ``setup_context`` and ``backward``). The losses that make their gradient in the forward and scale it in place in
+    the backward use an ``autograd.Function`` instead: their backward writes over the operator's outputs."""
     fwd_passes: float = 0.0
     """Passes over ``elements(shape)`` elements that the forward must move (0: matmul-bound)."""
     full_passes: float = 0.0
@@ -112,6 +112,20 @@ def _rope_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
         angles.cos().to(dtype),
         angles.sin().to(dtype),
     ]
+
+
+def _mrope_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
+    """RoPE's q and k, multimodal RoPE's three tables (3, B, T, D) and Qwen2-VL's sections ((16, 24, 24) of 64 pairs)
+    scaled to head_dim / 2. The temporal, height and width positions differ from token to token and from one
+    sequence of the batch to the next, as an image's patches make them."""
+    batch, _, _, seq, head_dim = shape
+    q, k, *_ = _rope_inputs(shape, dtype)
+    token, sequence = torch.arange(seq, device=runtime.DEVICE), torch.arange(batch, device=runtime.DEVICE)
+    positions = torch.stack([token, token // 4, token % 4])[:, None] + sequence[:, None]  # (3, B, T)
+    angles = positions[..., None] * torch.rand(head_dim // 2, device=runtime.DEVICE)
+    angles = torch.cat([angles, angles], dim=-1)
+    spatial = 3 * (head_dim // 2) // 8
+    return [q, k, angles.cos().to(dtype), angles.sin().to(dtype), [head_dim // 2 - 2 * spatial, spatial, spatial]]
 
 
 def _glu_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
@@ -246,6 +260,15 @@ OPS: dict[str, OpSpec] = {
             operators=("rope", "rope_backward"),
             fwd_passes=2, full_passes=4, elements=lambda s: s[0] * (s[1] + s[2]) * s[3] * s[4],
             liger=("liger_rope", {}),
+        ),
+        OpSpec(
+            "mrope", _mrope_inputs, ("q", "k", "cos", "sin", "mrope_section"), ("q", "k"),
+            # Qwen2.5-VL-7B's attention: 28 query heads, 4 key heads of 128.
+            bench_shape=(4, 28, 4, 4096, 128), quick_shape=(1, 28, 4, 4096, 128),
+            check_shapes=((2, 4, 2, 19, 32), (2, 28, 4, 1024, 128)),
+            operators=("mrope", "mrope_backward"),
+            fwd_passes=2, full_passes=4, elements=lambda s: s[0] * (s[1] + s[2]) * s[3] * s[4],
+            liger=("liger_qwen2vl_mrope", {}),
         ),
         OpSpec(
             "swiglu", _glu_inputs, ("gate", "up"), ("gate", "up"), **_GLU,

@@ -1,0 +1,278 @@
+"""The families that :func:`~liger_lab.hf.patch` supports: one row of :data:`FAMILIES` per ``config.model_type``.
+
+A transformers decoder is assembled from a handful of classes in one modeling module per family
+(``transformers.models.llama.modeling_llama`` and so on): an RMSNorm class, a gated MLP class, an attention class
+that calls the module's free function ``apply_rotary_pos_emb`` by name, a decoder layer, and a ``...ForCausalLM``
+whose forward computes every logit and then the loss. A mixture of experts (Qwen3-MoE, Mixtral, Qwen3.5-MoE, Gemma 4,
+DeepSeek-V3, GLM-4.5) keeps every expert's weights in one ``...Experts`` module of two 3-D tensors, run by
+transformers' Python loop over the experts or by one of its kernels (``experts_implementation``, ``"grouped_mm"`` by
+default where it runs): the loop gets the fused SwiGLU (GeGLU for Gemma 4), the kernels and the router stay
+transformers', and the report says which runs. A row (:class:`_Family`) is all that patching knows of a family: how
+it names those classes, which of them it has, and how they compute where families differ. What a family computes
+differently from the fused pieces (GPT-OSS's clamped experts, interleaved or one-tensor RoPE) stays transformers',
+and its row records why for the report to say.
+
+Adding a family is adding a row, keyed by its model type:
+
+* ``prefix`` names its classes: ``"Llama"`` gives ``LlamaRMSNorm``, ``LlamaMLP``, ``LlamaAttention``,
+  ``LlamaDecoderLayer``, ``LlamaExperts`` and ``LlamaForCausalLM``. ``names`` gives those that are not prefix +
+  suffix (Gemma 4's norm and causal LM; a multimodal model's ``...ForConditionalGeneration`` would go under
+  ``"ForCausalLM"``: the loss forward reads its ``lm_head`` and the base model under its ``base_model_prefix``), and
+  ``module`` the modeling module when it is not named after the model type (``gemma3_text`` is in ``gemma3``).
+* Flags say which pieces it has, each a kind of :data:`~liger_lab.hf.registry._PIECE_KINDS` (whose ``flag`` names
+  the field): every family an RMSNorm; ``mlp`` a dense gated MLP, ``rope`` an attention whose RoPE is rotate_half's,
+  ``add_norm`` a decoder layer written as Llama's, ``experts`` 3-D experts.
+* How they compute, where families differ: ``norm`` (where the RMSNorm rounds), ``act_attr`` (the config attribute
+  naming the activation), ``fused_gate_up``, ``rope_half_tables``, ``in_place_norms``.
+* ``left_alone``: what stays transformers' and why, in the report's words.
+
+A vision-language model (``...ForConditionalGeneration``) is a row like any other, under its ``model_type``: its
+pieces are its language model's, its loss forward is the conditional generation's (``names``' ``"ForCausalLM"``),
+and ``left_alone`` says what of the vision tower and the projector stays transformers'. A language model that
+transformers builds from another family's classes (LLaVA's ``LlamaModel``) takes that family's row with
+``causal_lm_module`` naming the module of the conditional generation (see :data:`FAMILIES`).
+
+Then the family gets a tiny config in ``tests/test_patching.py`` (``FAMILY_CONFIG``), and every test that runs over
+:data:`FAMILIES` runs on it: a training step against transformers, the kernel of every piece, the rounding of its
+norms, pickling. A kind of piece that no family had yet (a vision tower's MLP, say) is one entry of ``_PIECE_KINDS``,
+a flag here, and its builder in :mod:`liger_lab.hf.modules`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from dataclasses import dataclass, replace
+
+from liger_lab.hf.registry import _PIECE_KINDS
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How one transformers family names and wires the pieces that get fused: one row of :data:`FAMILIES`."""
+
+    prefix: str  # class-name prefix in the modeling module: "Llama" -> LlamaRMSNorm, LlamaMLP, LlamaAttention, ...
+    # How its RMSNorm rounds: "llama" rounds xhat to the input dtype, then multiplies by w; "fp32_weight"
+    # multiplies by w in fp32 and rounds once (OLMo 2); "gemma" scales by (1 + w) in fp32, eps in "eps".
+    norm: str = "llama"
+    act_attr: str = "hidden_act"  # config attribute naming the MLP activation
+    fused_gate_up: bool = False  # one gate_up_proj whose output is [gate | up] (Phi-3)
+    # Norms whose output feeds only linear projections: their backward may overwrite the incoming
+    # gradient. Never a norm whose output is added to the residual stream (Gemma 2's post-norms): the
+    # residual branch reads that same gradient tensor.
+    in_place_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    mlp: bool = True  # a dense gated MLP class (a mixture of experts alone has none: Mixtral)
+    # An experts class holding every expert's weights as 3-D tensors (transformers 5's ...Experts: gate_up_proj
+    # (E, 2I, H), down_proj (E, H, I)), whose loop over the experts gets the fused SwiGLU (GeGLU for a tanh-GELU
+    # activation); the router stays as it is.
+    experts: bool = False
+    rope: bool = True  # apply_rotary_pos_emb(q, k, cos, sin) in rotate_half's convention, the fused kernel's
+    # GPT-OSS's cos and sin hold each of the D/2 angles once, where rotate_half's hold them twice (D columns): the
+    # same rotation, which the kernel runs on the tables repeated.
+    rope_half_tables: bool = False
+    module: str | None = None  # the modeling module, when its name is not the model type (gemma3_text)
+    # A decoder layer written exactly as Llama's (norm, attention, add, norm, MLP, add): the add before the MLP's
+    # norm is fused into it (add_rms_norm).
+    add_norm: bool = False
+    # Class names that are not prefix + suffix, as (suffix, name) pairs: Gemma 4's text classes are Gemma4Text...,
+    # but its norm and causal LM are the multimodal model's Gemma4RMSNorm and Gemma4ForCausalLM.
+    names: tuple[tuple[str, str], ...] = ()
+    # What of this family stays transformers' and why, as (piece, reason) pairs that report() states; what report()
+    # finds on a model by itself (an activation without a kernel, transformers' experts kernel) is not listed here.
+    left_alone: tuple[tuple[str, str], ...] = ()
+    # The modeling module of the causal LM (names' "ForCausalLM") when it is not ``module``: LLaVA's language model is a
+    # LlamaModel, whose pieces are in llama, while LlavaForConditionalGeneration is in llava. patch(model) then checks
+    # that the model's text config is of ``module``'s family.
+    causal_lm_module: str | None = None
+
+    @property
+    def pieces(self) -> tuple[str, ...]:
+        """Class-name suffixes of the pieces this family has fused versions of (kinds of ``_PIECE_KINDS``)."""
+        return tuple(suffix for suffix, kind in _PIECE_KINDS.items() if kind.flag is None or getattr(self, kind.flag))
+
+    def name(self, suffix: str) -> str:
+        """The class name of a piece (a suffix of :attr:`pieces`, ``"Experts"`` or ``"ForCausalLM"``)."""
+        return dict(self.names).get(suffix, self.prefix + suffix)
+
+
+# Text families whose rows a vision-language family's row reuses (its language model is theirs).
+_LLAMA = _Family("Llama", add_norm=True)
+_GEMMA3_TEXT = _Family(
+    "Gemma3", norm="gemma", act_attr="hidden_activation", module="gemma3",
+    in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
+)  # fmt: skip
+
+# Multimodal RoPE in transformers 5 (Qwen2.5-VL, Qwen3-VL): the text rotary embedding picks each feature pair's position
+# stream (temporal, height, width) once per forward (recomposition_frequencies), and every attention layer then calls
+# the module's plain apply_rotary_pos_emb(q, k, cos, sin) on those (B, T, D) tables: the per-layer rotation is
+# liger_lab.rope's, swapped in as for a text family (liger_lab.mrope, which takes the three streams, has no call to
+# replace there). The vision attention's apply_rotary_pos_emb_vision (2-D positions over packed patches, in fp32) is
+# another function, left as it is.
+_QWEN_VISION_TOWER = (
+    "the vision blocks' attention (its 2-D RoPE, apply_rotary_pos_emb_vision, in fp32) and MLP run transformers' code: "
+    "patch fuses the language model"
+)
+
+# Qwen3.5's linear-attention (Gated DeltaNet) layers end in a norm of another formula.
+_GATED_NORM = ("gated RMSNorm", "RMSNormGated, norm(x) * w * silu(z) in the linear-attention layers: no fused kernel")
+
+FAMILIES: dict[str, _Family] = {
+    "llama": _LLAMA,
+    "mistral": _Family("Mistral", add_norm=True),
+    "qwen2": _Family("Qwen2", add_norm=True),
+    "qwen3": _Family("Qwen3", add_norm=True),
+    "gemma": _Family("Gemma", norm="gemma"),
+    "gemma2": _Family(
+        "Gemma2", norm="gemma", act_attr="hidden_activation",
+        in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
+    ),
+    "phi3": _Family("Phi3", fused_gate_up=True),
+    "gemma3_text": _GEMMA3_TEXT,
+    "qwen3_moe": _Family("Qwen3Moe", experts=True),  # dense layers (mlp_only_layers) have a Qwen3MoeMLP
+    "mixtral": _Family("Mixtral", mlp=False, experts=True),
+    # Norms after attention and after the MLP, each output added to the residual: none may reuse its gradient.
+    "olmo2": _Family("Olmo2", norm="fp32_weight", in_place_norms=()),
+    "granite": _Family("Granite"),  # its logits are divided by config.logits_scaling, in the loss too
+    "smollm3": _Family("SmolLM3", add_norm=True),  # some layers skip RoPE: they never call apply_rotary_pos_emb
+    "glm4": _Family(
+        "Glm4", fused_gate_up=True, rope=False,
+        left_alone=(("RoPE", "interleaved pairs, which the fused kernel does not rotate"),),
+    ),
+    # Qwen3.5 (the text model): (1 + w) norms, q_norm and k_norm too; partial RoPE on the full-attention layers (its
+    # multimodal position tables are plain cos and sin by then). The decoder's add is not fused: add_norm is written
+    # for Llama's norm.
+    "qwen3_5_text": _Family("Qwen3_5", norm="gemma", module="qwen3_5", left_alone=(_GATED_NORM,)),
+    # Qwen3.5's layers with a mixture of experts: its shared expert is a Qwen3_5MoeMLP (its sigmoid gate stays).
+    "qwen3_5_moe_text": _Family(
+        "Qwen3_5Moe", norm="gemma", module="qwen3_5_moe", experts=True, left_alone=(_GATED_NORM,)
+    ),
+    # Gemma 4 (text): w, not 1 + w, multiplied in fp32 and rounded once (OLMo 2's rounding); GeGLU in the MLP and in
+    # the experts (26B-A4B's layers run both and add them). Sandwich norms, per-layer inputs, layer scalars: no fused
+    # add.
+    "gemma4_text": _Family(
+        "Gemma4Text", norm="fp32_weight", act_attr="hidden_activation", module="gemma4", experts=True, rope=False,
+        in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
+        names=(("RMSNorm", "Gemma4RMSNorm"), ("ForCausalLM", "Gemma4ForCausalLM")),
+        left_alone=(
+            ("RoPE", "apply_rotary_pos_emb(x, cos, sin) rotates q and k one at a time, each after its norm; the fused "
+                     "kernel takes both"),
+            ("RMSNorm without weight", "v_norm and the router's norm (with_scale=False): no weight for the kernel"),
+        ),
+    ),
+    # GPT-OSS: its norm rounds as OLMo 2's; RoPE is rotate_half's on half tables. The attention sinks join
+    # transformers' attention, which no family fuses. Every layer is a mixture of experts (GptOssMLP is that block).
+    "gpt_oss": _Family(
+        "GptOss", norm="fp32_weight", mlp=False, rope_half_tables=True,
+        left_alone=(
+            ("experts", "clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, "
+                        "limit), on interleaved gate and up columns with biases: not the fused silu(gate) * up"),
+        ),
+    ),
+    # Llama 4 (text): Llama's norm (its eps named eps), SwiGLU MLPs (the dense layers and each MoE layer's shared
+    # expert). The decoder layer calls its MLP feed_forward and unpacks the MoE's tuple: no fused add.
+    "llama4_text": _Family(
+        "Llama4Text", module="llama4", rope=False, names=(("ForCausalLM", "Llama4ForCausalLM"),),
+        left_alone=(
+            ("RoPE", "complex multiplication of interleaved pairs (apply_rotary_emb), not rotate_half"),
+            ("experts", "every expert runs on every token, its input scaled by the router (batched matmuls): not the "
+                        "top-k experts interface of the fused loop"),
+            ("qk_norm", "Llama4TextL2Norm has no weight for the kernel to scale by"),
+        ),
+    ),
+    # OLMo 3: OLMo 2's layer, with sliding-window layers.
+    "olmo3": _Family("Olmo3", norm="fp32_weight", in_place_norms=()),
+    # Ministral 3: Mistral's layer; its queries are scaled by Llama 4's position-dependent factor after RoPE.
+    "ministral3": _Family("Ministral3", add_norm=True),
+    # DeepSeek-V3: MLA attention, whose low-rank q and kv norms (q_a_layernorm, kv_a_layernorm) are fused too; dense
+    # first layers and each MoE layer's shared experts are a DeepseekV3MLP; the routed experts are 3-D.
+    "deepseek_v3": _Family(
+        "DeepseekV3", experts=True, rope=False, add_norm=True,
+        left_alone=(
+            ("RoPE", "MLA's decoupled RoPE, on a qk_rope_head_dim slice of q and one key head shared by all heads, "
+                     "rotates interleaved pairs (apply_rotary_pos_emb_interleave: rope_interleave=True, the "
+                     "checkpoints' layout), which the fused kernel does not"),
+        ),
+    ),
+    # GLM-4.5 (MoE): unlike GLM-4, rotate_half RoPE on part of each head; Llama's layer, optional q and k norms.
+    "glm4_moe": _Family("Glm4Moe", experts=True, add_norm=True),
+    # Vision-language models: the language model is fused, the loss runs on the conditional generation's lm_head (the
+    # labels shifted, num_items_in_batch and logits_to_keep honoured, as its ForCausalLMLoss does), and the vision
+    # tower and the projector stay transformers' but for a norm of the language model's class.
+    # Qwen2.5-VL: Qwen2's decoder layer (its MLP class is still called Qwen2MLP; Qwen2_5_VLMLP is the vision blocks'),
+    # multimodal RoPE as above. Its vision blocks and patch merger normalise with Qwen2_5_VLRMSNorm, the language
+    # model's class, so those norms are fused too: the same formula.
+    "qwen2_5_vl": _Family(
+        "Qwen2_5_VL", add_norm=True,
+        names=(("MLP", "Qwen2MLP"), ("ForCausalLM", "Qwen2_5_VLForConditionalGeneration")),
+        left_alone=(
+            ("vision tower", f"{_QWEN_VISION_TOWER}; only its RMSNorms, the language model's class, run fused"),
+            ("projector", "the patch merger's merge and GELU MLP are transformers' (its RMSNorm, ln_q, is fused)"),
+        ),
+    ),
+    # Qwen3-VL: Qwen3's layer (q and k norms) under Qwen3VLText names. Its multimodal RoPE interleaves the streams (t h
+    # w t h w ...), and that too is built into cos and sin once per forward: the attention's rotation is plain.
+    "qwen3_vl": _Family(
+        "Qwen3VLText", add_norm=True, names=(("ForCausalLM", "Qwen3VLForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", f"{_QWEN_VISION_TOWER}; its norms are LayerNorms and its MLP has no gate"),
+            ("projector", "the patch mergers (the DeepStack ones too): LayerNorm and a GELU MLP, transformers' code"),
+        ),
+    ),
+    # Gemma 3 with images: its language model is Gemma3TextModel, gemma3_text's classes. Gemma3ForConditionalGeneration
+    # applies no final_logit_softcapping (Gemma3ForCausalLM does), and neither does its fused loss.
+    "gemma3": replace(
+        _GEMMA3_TEXT, names=(("ForCausalLM", "Gemma3ForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", "SigLIP: LayerNorms, a GELU MLP without gate and no RoPE, which no fused piece computes"),
+            ("projector", "Gemma3MultiModalProjector's pooling and projection are transformers' (its mm_soft_emb_norm, "
+                          "a Gemma3RMSNorm, is fused)"),
+        ),
+    ),
+    # LLaVA with a Llama text config (LLaVA 1.5): its language model is a LlamaModel, built from llama's classes.
+    "llava": replace(
+        _LLAMA, module="llama", causal_lm_module="llava", names=(("ForCausalLM", "LlavaForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", "CLIP: LayerNorms, a quick-GELU MLP without gate and no RoPE, which no fused piece "
+                             "computes"),
+            ("projector", "LlavaMultiModalProjector: two linear layers around a GELU, no gated product to fuse"),
+        ),
+    ),
+}  # fmt: skip
+"""Model types (``config.model_type``) that :func:`~liger_lab.hf.patch` supports."""
+
+
+def _family(model_type: object) -> _Family:
+    if model_type not in FAMILIES:
+        raise ValueError(f"model type {model_type!r} is not supported: expected one of {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def _import_modeling(module: str) -> types.ModuleType:
+    return importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+
+
+def _modeling(model_type: str) -> types.ModuleType:
+    """The modeling module that holds a family's pieces."""
+    return _import_modeling(FAMILIES[model_type].module or model_type if model_type in FAMILIES else model_type)
+
+
+def _causal_lm_modeling(model_type: str) -> types.ModuleType:
+    """The modeling module that holds a family's causal LM: the pieces' (:func:`_modeling`) or ``causal_lm_module``."""
+    module = FAMILIES[model_type].causal_lm_module
+    return _modeling(model_type) if module is None else _import_modeling(module)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The options of one :func:`~liger_lab.hf.patch` call: its keywords, which the piece kinds name."""
+
+    rms_norm: bool
+    rope: bool
+    swiglu: bool
+    cross_entropy: bool
+    fused_linear_cross_entropy: bool
+    loss_chunk_tokens: int | None
+
+    @property
+    def loss(self) -> bool:
+        return self.cross_entropy or self.fused_linear_cross_entropy

@@ -1,0 +1,114 @@
+"""What :func:`~liger_lab.hf.patch` did to one model, and what it left alone and why: :func:`report`, which
+``liger_lab.patch_report`` is.
+
+It reads the model as it is (its modules' classes, its forward, its head and its config), so it says the same of a
+model patched here, one loaded from a pickle, or one that was never patched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from liger_lab.hf.api import _unwrap
+from liger_lab.hf.families import _family
+from liger_lab.hf.loss import _fused_head, _patched_forward
+from liger_lab.hf.modules import _experts_fallback, _gated_kernel
+from liger_lab.hf.registry import _PIECE_KINDS, _UNFUSED
+from liger_lab.ops import swiglu as glu_ops
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    """What :func:`~liger_lab.hf.patch` did to one model: the modules now fused, counted per kind, and what it left
+    alone and why. ``str()`` prints it as a table."""
+
+    model_type: str
+    replaced: dict[str, int]
+    left_alone: dict[str, str]
+
+    def __str__(self) -> str:
+        lines = [f"liger_lab patch of a {self.model_type} model"]
+        lines += [f"  fused      {kind:<34}{count:>3}" for kind, count in self.replaced.items()]
+        lines += [f"  left alone {kind:<34}{why}" for kind, why in self.left_alone.items()]
+        return "\n".join(lines)
+
+
+def report(model: nn.Module) -> PatchReport:
+    """The :class:`PatchReport` of a model (a PEFT wrapper is looked through), patched or not."""
+    model = _unwrap(model)
+    model_type = getattr(model.config, "model_type", None)
+    family = _family(model_type)
+    replaced: dict[str, int] = {}
+    experts: list[nn.Module] = []
+    kind_of = {f"Fused{family.name(suffix)}": kind for suffix, kind in _PIECE_KINDS.items()}
+    vision_side = _vision_side(model)
+    for module in model.modules():
+        name = type(module).__name__
+        kind = kind_of.get(name)
+        if name.removeprefix("Fused") == family.name("Experts"):
+            experts.append(module)  # counted below, where the fused loop is what its forward runs
+        elif kind is not None and not (kind.needs_weight and getattr(module, "weight", None) is None):
+            # (a norm without weight runs transformers')
+            label = f"{kind.label} {_VISION_SIDE}" if id(module) in vision_side else kind.label
+            replaced[label] = replaced.get(label, 0) + 1
+    left_alone: dict[str, str] = dict(family.left_alone)
+    activation = getattr(model.config.get_text_config(), family.act_attr, None)  # a vision-language model's text config
+    fused_experts = [m for m in experts if type(m) in _UNFUSED and _experts_fallback(family, m) is None]
+    if fused_experts:
+        glu = "GeGLU" if _gated_kernel(activation) is glu_ops.geglu else "SwiGLU"
+        replaced[f"{_PIECE_KINDS['Experts'].label} ({glu})"] = len(fused_experts)
+    elif experts and family.experts:
+        left_alone["experts"] = _experts_fallback(family, experts[0]) or "not patched (swiglu=False?)"
+    if experts:
+        left_alone["router"] = "transformers' own: top-k routing and its load-balancing loss are not fused"
+    mlp_names = (family.name("MLP"), f"Fused{family.name('MLP')}")
+    if not family.mlp or not any(type(module).__name__ in mlp_names for module in model.modules()):
+        left_alone["MLP"] = "no dense MLP: every layer is a mixture of experts"
+    elif not replaced.get(_PIECE_KINDS["MLP"].label):
+        no_kernel = f"activation {activation!r} has no fused kernel"
+        left_alone["MLP"] = no_kernel if _gated_kernel(activation) is None else "not patched (swiglu=False?)"
+    forward = _patched_forward(model)
+    loss_forward = forward.__func__ if forward is not None else type(model).forward
+    fused = getattr(loss_forward, "liger_lab_fused", None)  # None: transformers' own forward
+    if forward is not None and forward.kept is not None:
+        kept = _written_as(forward.kept)
+        left_alone["forward"] = f"{kept}, set on the model before patch, runs the calls the fused loss does not take"
+    head = _fused_head(model.lm_head) if isinstance(getattr(model, "lm_head", None), nn.Module) else (
+        "the model has no lm_head module")  # fmt: skip
+    fallback = head if isinstance(head, str) else None
+    if fused and fallback is None:
+        replaced["loss (fused linear cross-entropy)"] = 1
+    elif fused:
+        left_alone["loss"] = f"logits materialised: {fallback}"
+    else:
+        left_alone["loss"] = "transformers' own" if fused is None else "from logits (fused_linear_cross_entropy=False)"
+    return PatchReport(model_type, replaced, left_alone)
+
+
+_VISION_SIDE = "(vision tower, projector)"
+"""How :func:`report` labels the fused modules of a vision-language model outside its language model: the norms of
+the language model's class in the vision blocks or the projector (Qwen2.5-VL's, Gemma 3's)."""
+
+
+def _vision_side(model: nn.Module) -> set[int]:
+    """The ids of a vision-language model's modules outside its language model (the base model's ``language_model``,
+    under which transformers 5 puts every one of them); none for a text model."""
+    base = getattr(model, "model", None)
+    language_model = getattr(base, "language_model", None)
+    if not isinstance(language_model, nn.Module):
+        return set()
+    inside = {id(module) for module in language_model.modules()}
+    return {id(module) for module in base.modules() if id(module) not in inside}
+
+
+def _written_as(function: Callable[..., Any]) -> str:
+    """Where a function was defined, as ``name (file)``: a wrapper's ``__qualname__`` is often the wrapped one's
+    (functools.wraps copies it), which would name transformers' forward for TRL's."""
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
+    if code is None:
+        return type(function).__name__
+    return f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename.rpartition('site-packages/')[2]})"

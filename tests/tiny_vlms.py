@@ -1,0 +1,110 @@
+"""Tiny random vision-language models (built from configs, nothing downloaded) and batches with images for them.
+
+Each batch is made by hand as the model's processor would make it: the image's placeholder tokens in the text (with
+the markers around them that the model's chat format puts there), the pixel values in the layout the vision tower
+reads, and the extra ids the model needs (Qwen's image grid and modality ids, Gemma 3's token types). Every tiny
+vision tower turns an image into :data:`IMAGE_TOKENS` tokens of the language model.
+
+The special tokens sit above the first :data:`TEXT_TOKENS` ids, from which the text of a batch is drawn, also the
+text-only batches of ``tests/test_patching.py``: there the models run their language model alone.
+"""
+
+import torch
+import transformers
+
+from liger_lab import runtime
+
+TEXT_TOKENS = 101
+IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 122, 123
+IMAGE_TOKENS = 4
+
+# The language model: the size of tests/test_patching.py's tiny text models, with room for the special tokens.
+TEXT = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    initializer_range=0.2,
+)  # fmt: skip
+# A 4 x 4 grid of 2 x 2 patches, merged 2 x 2 into four tokens (one frame: temporal_patch_size 1).
+QWEN_VISION = dict(
+    hidden_size=16, intermediate_size=24, num_heads=2, patch_size=2, spatial_merge_size=2, temporal_patch_size=1,
+    out_hidden_size=32,
+)  # fmt: skip
+QWEN_GRID = (1, 4, 4)
+QWEN_TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
+                   vision_end_token_id=VISION_END)  # fmt: skip
+IMAGE_SIZE = 8  # Gemma 3's and LLaVA's square images, in pixels
+
+
+def _qwen2_5_vl(text: dict) -> transformers.PreTrainedConfig:
+    # Multimodal RoPE over head_dim / 2 = 4 pairs: two temporal, one height, one width. A windowed vision block and a
+    # full-attention one.
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    vision = dict(QWEN_VISION, depth=2, window_size=4, fullatt_block_indexes=[1])
+    return transformers.Qwen2_5_VLConfig(text_config={"rope_parameters": rope, **text}, vision_config=vision,
+                                         **QWEN_TOKENS)  # fmt: skip
+
+
+def _qwen3_vl(text: dict) -> transformers.PreTrainedConfig:
+    # Interleaved multimodal RoPE (t h w t); learned vision positions for the 4 x 4 grid; one DeepStack merger, whose
+    # features are added to the first layer's output.
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    vision = dict(QWEN_VISION, depth=1, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return transformers.Qwen3VLConfig(text_config={"rope_parameters": rope, **text}, vision_config=vision,
+                                      **QWEN_TOKENS)  # fmt: skip
+
+
+def _gemma3(text: dict) -> transformers.PreTrainedConfig:
+    # SigLIP on 4 x 4 patches, pooled to 2 x 2 tokens. The text config's final_logit_softcapping is one that
+    # Gemma3ForConditionalGeneration does not apply: the fused loss must not either.
+    vision = dict(image_size=IMAGE_SIZE, patch_size=2, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                  num_attention_heads=2)  # fmt: skip
+    text = {"query_pre_attn_scalar": 8, "sliding_window": 4, "final_logit_softcapping": 2.0, **text}
+    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=IMAGE_TOKENS,
+                                     image_token_index=IMAGE, boi_token_index=VISION_START,
+                                     eoi_token_index=VISION_END)  # fmt: skip
+
+
+def _llava(text: dict) -> transformers.PreTrainedConfig:
+    # CLIP on 2 x 2 patches of 4 pixels; the default feature strategy drops the class token: four image tokens.
+    vision = dict(model_type="clip_vision_model", image_size=IMAGE_SIZE, patch_size=4, hidden_size=16,
+                  intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, projection_dim=16)  # fmt: skip
+    return transformers.LlavaConfig(text_config={"model_type": "llama", **text}, vision_config=vision,
+                                    image_token_index=IMAGE, image_seq_length=IMAGE_TOKENS)  # fmt: skip
+
+
+CONFIGS = {"qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "gemma3": _gemma3, "llava": _llava}
+"""The tiny config of each vision-language family, from the language model's settings."""
+
+
+def tiny_vlm(model_type: str, **text_overrides) -> transformers.PreTrainedModel:
+    """A random ``...ForConditionalGeneration`` of the family, its language model changed by ``text_overrides``."""
+    config = CONFIGS[model_type]({**TEXT, **text_overrides})
+    model = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
+    return model.to(runtime.DEVICE)
+
+
+def image_batch(model: transformers.PreTrainedModel, batch_size: int = 2, seq: int = 12) -> dict[str, torch.Tensor]:
+    """``seq`` tokens per sequence, one image in each (its tokens from position 3 on), and the inputs the model reads
+    for it: ``input_ids``, ``labels`` (the ids, with the image's tokens, its markers and the first sequence's prompt
+    not trained on), ``pixel_values`` and the family's own."""
+    model_type = model.config.model_type
+    input_ids = torch.randint(3, TEXT_TOKENS, (batch_size, seq))
+    image = slice(3, 3 + IMAGE_TOKENS)
+    input_ids[:, image] = IMAGE
+    if model_type != "llava":  # LLaVA's prompt holds the image tokens alone
+        input_ids[:, image.start - 1], input_ids[:, image.stop] = VISION_START, VISION_END
+    batch = {"input_ids": input_ids}
+    if model_type in ("qwen2_5_vl", "qwen3_vl"):
+        # The processor's flattened patches: one row of channels x temporal x patch x patch values per patch.
+        patches = QWEN_GRID[0] * QWEN_GRID[1] * QWEN_GRID[2]
+        batch["pixel_values"] = torch.randn(batch_size * patches, 3 * QWEN_VISION["patch_size"] ** 2)
+        batch["image_grid_thw"] = torch.tensor([QWEN_GRID] * batch_size)
+        batch["mm_token_type_ids"] = (input_ids == IMAGE).int()  # 1: image, for the 3-D positions
+    else:
+        batch["pixel_values"] = torch.randn(batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
+    if model_type == "gemma3":
+        batch["token_type_ids"] = (input_ids == IMAGE).long()  # 1: image, attended bidirectionally
+    labels = input_ids.masked_fill(input_ids >= TEXT_TOKENS, -100)
+    labels[0, :2] = -100
+    batch["labels"] = labels
+    return {name: value.to(runtime.DEVICE) for name, value in batch.items()}
