@@ -36,7 +36,7 @@ def loss_curves(model_type: str, *, dtype: torch.dtype = torch.float32, autocast
     reference = tiny_model(model_type).to(dtype)
     patched = liger_lab.patch(copy.deepcopy(reference))
     # Four fixed sequences, cycled two at a time: a task the model can learn within a few steps.
-    pool = torch.randint(0, reference.config.vocab_size, (4, 8), device=runtime.DEVICE)
+    pool = torch.randint(0, reference.config.get_text_config().vocab_size, (4, 8), device=runtime.DEVICE)
     batches = [pool[2 * (step % 2) : 2 * (step % 2) + 2] for step in range(steps)]
     return train(patched, batches, autocast=autocast), train(reference, batches, autocast=autocast)
 

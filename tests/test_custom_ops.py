@@ -103,3 +103,16 @@ def test_empty_inputs_forward_and_backward(name, label):
     grads = torch.autograd.grad(_loss(outputs), leaves, allow_unused=True)
     for leaf, grad in zip(leaves, grads, strict=True):
         assert grad is None or (grad.shape == leaf.shape and torch.isfinite(grad).all())
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_the_default_call_never_writes_a_caller_tensor(name):
+    """Forward and backward of the default call leave every input as it was, values and versions: only an opt-in
+    in-place variant writes over a caller's tensor."""
+    spec = OPS[name]
+    inputs = _inputs(spec)
+    tensors = [v for v in inputs if isinstance(v, torch.Tensor)]
+    before = [(t.detach().clone(), t._version) for t in tensors]
+    _loss(spec.function(*inputs)).backward()
+    for tensor, (values, version) in zip(tensors, before, strict=True):
+        assert torch.equal(tensor.detach(), values) and tensor._version == version

@@ -333,7 +333,8 @@ def test_peak_memory_at_the_design_shape():
     assert peak <= 1.25 * 2**30, f"peak {peak / 2**30:.2f} GiB above the inputs"
     in_place_peak = runtime.peak_memory_bytes(lambda: step(in_place=True))
     chunk = flce_module.chunk_tokens_for(n, vocab, torch.bfloat16)
-    assert in_place_peak <= (vocab * hidden_size + chunk * vocab) * 2 + 2**20, "dW and one chunk, no dh buffer"
+    # Beside dW and one chunk's logits: per-row losses, log-sum-exps and counts (under 4 MiB); a dh buffer is 64 MiB.
+    assert in_place_peak <= (vocab * hidden_size + chunk * vocab) * 2 + 4 * 2**20, "dW and one chunk, no dh buffer"
 
 
 @pytest.mark.parametrize(

@@ -109,8 +109,8 @@ def tiny_config(model_type: str, **overrides):
 
 def tiny_model(model_type: str, **overrides):
     """A random causal LM whose norm weights are random too, so a wrong offset or casting shows."""
-    if model_type in VLM_CONFIGS:  # a vision-language family: tests/tiny_vlms.py
-        model = tiny_vlm(model_type, **overrides)
+    if model_type in VLM_CONFIGS:  # a vision-language family (tests/tiny_vlms.py), run on text here
+        model = tiny_vlm(model_type, text_only=True, **overrides)
     else:
         config = tiny_config(model_type, **overrides)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(runtime.DEVICE)

@@ -47,10 +47,12 @@ def _qwen2_5_vl(text: dict) -> transformers.PreTrainedConfig:
 def _qwen3_vl(text: dict) -> transformers.PreTrainedConfig:
     # Interleaved multimodal RoPE (t h w t); learned vision positions for the 4 x 4 grid; one DeepStack merger, whose
     # features are added to the first layer's output.
+    # Two text layers: the DeepStack features join the image's positions after the first, and only a later layer
+    # carries them to the text positions that the loss counts.
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
     vision = dict(QWEN_VISION, depth=1, num_position_embeddings=16, deepstack_visual_indexes=[0])
-    return transformers.Qwen3VLConfig(text_config={"rope_parameters": rope, **text}, vision_config=vision,
-                                      **QWEN_TOKENS)  # fmt: skip
+    text = {"rope_parameters": rope, **text, "num_hidden_layers": max(2, text["num_hidden_layers"])}
+    return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **QWEN_TOKENS)
 
 
 def _gemma3(text: dict) -> transformers.PreTrainedConfig:
@@ -76,10 +78,21 @@ CONFIGS = {"qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "gemma3": _gemma3, 
 """The tiny config of each vision-language family, from the language model's settings."""
 
 
-def tiny_vlm(model_type: str, **text_overrides) -> transformers.PreTrainedModel:
-    """A random ``...ForConditionalGeneration`` of the family, its language model changed by ``text_overrides``."""
+def tiny_vlm(model_type: str, /, *, text_only: bool = False, **text_overrides) -> transformers.PreTrainedModel:
+    """A random ``...ForConditionalGeneration`` of the family, its language model changed by ``text_overrides``.
+    ``text_only`` freezes what a batch without images leaves without gradients, all but the language model and the
+    head: for tests that compare the gradient of every parameter that requires one on text alone."""
     config = CONFIGS[model_type]({**TEXT, **text_overrides})
     model = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
+    if model_type == "gemma3":
+        # Gemma 3 starts its projection at zero (a checkpoint overwrites it), which would leave the vision tower
+        # without gradients.
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, TEXT["initializer_range"])
+    if text_only:
+        model.requires_grad_(False)
+        model.model.language_model.requires_grad_(True)
+        model.lm_head.requires_grad_(True)
     return model.to(runtime.DEVICE)
 
 

@@ -16,7 +16,7 @@ Adding a family is adding a row, keyed by its model type:
 
 * ``prefix`` names its classes: ``"Llama"`` gives ``LlamaRMSNorm``, ``LlamaMLP``, ``LlamaAttention``,
   ``LlamaDecoderLayer``, ``LlamaExperts`` and ``LlamaForCausalLM``. ``names`` gives those that are not prefix +
-  suffix (Gemma 4's norm and causal LM; a multimodal model's ``...ForConditionalGeneration`` would go under
+  suffix (Gemma 4's norm and causal LM; a multimodal model's ``...ForConditionalGeneration`` goes under
   ``"ForCausalLM"``: the loss forward reads its ``lm_head`` and the base model under its ``base_model_prefix``), and
   ``module`` the modeling module when it is not named after the model type (``gemma3_text`` is in ``gemma3``).
 * Flags say which pieces it has, each a kind of :data:`~liger_lab.hf.registry._PIECE_KINDS` (whose ``flag`` names
@@ -26,16 +26,18 @@ Adding a family is adding a row, keyed by its model type:
   naming the activation), ``fused_gate_up``, ``rope_half_tables``, ``in_place_norms``.
 * ``left_alone``: what stays transformers' and why, in the report's words.
 
-A vision-language model (``...ForConditionalGeneration``) is a row like any other, under its ``model_type``: its
-pieces are its language model's, its loss forward is the conditional generation's (``names``' ``"ForCausalLM"``),
-and ``left_alone`` says what of the vision tower and the projector stays transformers'. A language model that
-transformers builds from another family's classes (LLaVA's ``LlamaModel``) takes that family's row with
-``causal_lm_module`` naming the module of the conditional generation (see :data:`FAMILIES`).
-
 Then the family gets a tiny config in ``tests/test_patching.py`` (``FAMILY_CONFIG``), and every test that runs over
 :data:`FAMILIES` runs on it: a training step against transformers, the kernel of every piece, the rounding of its
 norms, pickling. A kind of piece that no family had yet (a vision tower's MLP, say) is one entry of ``_PIECE_KINDS``,
 a flag here, and its builder in :mod:`liger_lab.hf.modules`.
+
+A vision-language model (``...ForConditionalGeneration``) is a row like any other, under its ``model_type``: its
+pieces are its language model's, its loss forward is the conditional generation's (``names``' ``"ForCausalLM"``),
+and ``left_alone`` says what of the vision tower and the projector stays transformers'. A language model that
+transformers builds from another family's classes (LLaVA's ``LlamaModel``) takes that family's row with
+``causal_lm_module`` naming the module of the conditional generation (see :data:`FAMILIES`). Its tiny model, with a
+tiny vision tower, is in ``tests/tiny_vlms.py``, which ``tests/test_patching.py`` builds for the runs over every
+family (on text) and ``tests/test_vlm_families.py`` runs on images.
 """
 
 from __future__ import annotations

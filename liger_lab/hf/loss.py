@@ -6,8 +6,11 @@ like transformers (position t predicts label t+1, ``-100`` ignored), honours ``n
 gradient-accumulation normaliser: sum over tokens divided by it), ``shift_labels``, ``ignore_index``,
 ``logits_to_keep`` and ``return_dict``, and applies Gemma 2's ``final_logit_softcapping`` inside the fused loss.
 Without labels, in eval mode, or with ``skip_logits=False``, the model returns logits as transformers does (with
-``cross_entropy=True`` the loss then comes from :func:`liger_lab.cross_entropy`). With ``return_dict=False`` the
-tuple has transformers' layout, the logits' slot included (None when the fused loss ran).
+``cross_entropy=True`` the loss then comes from :func:`liger_lab.cross_entropy`). The output is of the class the
+forward's annotation names, with the base model's fields carried over (a vision-language model's ``image_outputs``);
+with ``return_dict=False`` the tuple has transformers' layout, the logits' slot included (None when the fused loss
+ran). A vision-language model's ``...ForConditionalGeneration`` is wrapped alike: its base model runs with the
+images, and the loss is its ``lm_head``'s.
 
 The fused loss reads the ``lm_head``'s weight and bias: an ``nn.Linear``'s, or a PEFT LoRA layer's, whose active
 adapter's term joins the same product (a concatenation of the weight with LoRA's B, see :class:`_LoraTerm`); with its

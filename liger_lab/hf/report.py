@@ -44,12 +44,14 @@ def report(model: nn.Module) -> PatchReport:
     family = _family(model_type)
     replaced: dict[str, int] = {}
     experts: list[nn.Module] = []
-    kind_of = {f"Fused{family.name(suffix)}": kind for suffix, kind in _PIECE_KINDS.items()}
+    # By the transformers class each module is or derives from (the fused classes' names may say more than Fused +
+    # that name: registry._FUSED_NAMES).
+    kind_of = {family.name(suffix): kind for suffix, kind in _PIECE_KINDS.items()}
     vision_side = _vision_side(model)
     for module in model.modules():
-        name = type(module).__name__
-        kind = kind_of.get(name)
-        if name.removeprefix("Fused") == family.name("Experts"):
+        name = _transformers_class(module).__name__
+        kind = kind_of.get(name) if type(module) in _UNFUSED else None
+        if name == family.name("Experts"):
             experts.append(module)  # counted below, where the fused loop is what its forward runs
         elif kind is not None and not (kind.needs_weight and getattr(module, "weight", None) is None):
             # (a norm without weight runs transformers')
@@ -65,8 +67,8 @@ def report(model: nn.Module) -> PatchReport:
         left_alone["experts"] = _experts_fallback(family, experts[0]) or "not patched (swiglu=False?)"
     if experts:
         left_alone["router"] = "transformers' own: top-k routing and its load-balancing loss are not fused"
-    mlp_names = (family.name("MLP"), f"Fused{family.name('MLP')}")
-    if not family.mlp or not any(type(module).__name__ in mlp_names for module in model.modules()):
+    mlp = family.name("MLP")
+    if not family.mlp or not any(_transformers_class(module).__name__ == mlp for module in model.modules()):
         left_alone["MLP"] = "no dense MLP: every layer is a mixture of experts"
     elif not replaced.get(_PIECE_KINDS["MLP"].label):
         no_kernel = f"activation {activation!r} has no fused kernel"
@@ -87,6 +89,11 @@ def report(model: nn.Module) -> PatchReport:
     else:
         left_alone["loss"] = "transformers' own" if fused is None else "from logits (fused_linear_cross_entropy=False)"
     return PatchReport(model_type, replaced, left_alone)
+
+
+def _transformers_class(module: nn.Module) -> type:
+    """The module's class, or the transformers class its fused class derives from."""
+    return _UNFUSED.get(type(module), type(module))
 
 
 _VISION_SIDE = "(vision tower, projector)"

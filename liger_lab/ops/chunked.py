@@ -26,7 +26,8 @@ shares (:func:`check_head`, :func:`check_second_head`, :func:`check_chunk_option
 :func:`check_choice`, :func:`check_values`), the gradients autograd will ask for (:func:`needed_grads`), the chunk
 rule (:func:`rows_per_chunk`), the dW accumulator's dtype (:func:`accumulation_dtype`), the gradient outputs and
 their fake (:func:`grad_outputs`), the autograd (:class:`GradsMadeInForward`) and the backward that finishes the
-gradients (:func:`finish_grads`, with ``liger_lab::scale_rows`` and ``scale_rows_``).
+gradients (:func:`finish_grads`, with ``liger_lab::scale_rows`` and ``scale_rows_``, declared beside their kernel in
+:mod:`liger_lab.ops.cross_entropy`).
 
 1. *A chunk step*, a :data:`ChunkLoss`: ``step(z, rows, write_grad)`` gets the logits ``z`` of ``hidden[rows]``,
    records the chunk's losses where the loss keeps them and, when ``write_grad``, writes d(loss)/dz over ``z``.
@@ -61,8 +62,8 @@ import torch
 
 from liger_lab import runtime
 from liger_lab.ops.common import check_float, is_finite, row_count, same_shape
-from liger_lab.ops.cross_entropy import refuse_second_derivative, scale_rows
-from liger_lab.ops.operators import Allocator, Operator, define, dense_like
+from liger_lab.ops.cross_entropy import SCALE_ROWS, refuse_second_derivative
+from liger_lab.ops.operators import Allocator, Operator
 
 MIB = 2**20
 CHUNK_ALIGN = 64
@@ -416,16 +417,6 @@ class Head(NamedTuple):
     needs: tuple[bool, bool, bool]
 
 
-def _scale_rows_into(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
-    """out = x * scale, rounded to ``dtype`` in the same pass (the fp32 dW accumulator to the weight's dtype)."""
-    scale_rows(x, scale, out=out)
-
-
-SCALE_ROWS = define("scale_rows", _scale_rows_into, outputs={"out": lambda x, scale, dtype: dense_like(x, dtype)})
-"""``liger_lab::scale_rows``: the out-of-place scale of :func:`finish_grads`; its in-place counterpart,
-``liger_lab::scale_rows_``, is declared with the kernel in :mod:`liger_lab.ops.cross_entropy`."""
-
-
 def finish_grads(grads: Grads, head: Head, grad_loss: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """(dh, dW, db) in the inputs' shapes and dtypes, None where not asked for.
 
@@ -440,11 +431,11 @@ def finish_grads(grads: Grads, head: Head, grad_loss: torch.Tensor | None) -> tu
     if grad_loss is not None:
         scale = grad_loss.float() if owed is None else grad_loss.float() * owed
         if needs_h:
-            torch.ops.liger_lab.scale_rows_(grad_h, scale)
+            SCALE_ROWS.in_place(grad_h, scale)
         if needs_w and grad_w.dtype == head.weight_dtype:
-            torch.ops.liger_lab.scale_rows_(grad_w, scale)
+            SCALE_ROWS.in_place(grad_w, scale)
         elif needs_w:
-            grad_w = SCALE_ROWS(grad_w, scale, head.weight_dtype)
+            grad_w = SCALE_ROWS.default(grad_w, scale, head.weight_dtype)
         if needs_b:
             grad_b = grad_b * scale
     # detach(): a fresh tensor object, so a leaf's .grad is never the buffer the backward scaled (in place: its memory)

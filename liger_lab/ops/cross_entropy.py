@@ -406,13 +406,34 @@ CROSS_ENTROPY = operators.define(
 )
 
 
-def _scale_rows_into(x: torch.Tensor, scale: torch.Tensor) -> None:
+def _scale_rows_into(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
+    """out = x * scale, rounded to ``dtype`` in the same pass (the fused linear losses' fp32 dW accumulator to the
+    weight's dtype)."""
+    scale_rows(x, scale, out=out)
+
+
+def _scale_rows_in_place(x: torch.Tensor, scale: torch.Tensor) -> None:
     """x *= scale, for ``x`` (..., n) with unit column stride and a scalar or per-row ``scale``; skipped on
     the GPU when the scale is exactly 1."""
     scale_rows(rows_to_overwrite(x), scale)
 
 
-SCALE_ROWS_IN_PLACE = operators.define("scale_rows_", _scale_rows_into, outputs={}, mutates=("x",))
+@dataclass(frozen=True)
+class _ScaleRows:
+    """``liger_lab::scale_rows`` (out of place, into another dtype) and ``liger_lab::scale_rows_`` (in place), the two
+    operators over one kernel with which every loss that makes its gradient in the forward scales it in the backward.
+    Their signatures differ (the in-place one keeps the dtype), so they are two declarations, kept here together."""
+
+    default: operators.Operator
+    in_place: operators.Operator
+
+
+SCALE_ROWS = _ScaleRows(
+    default=operators.define(
+        "scale_rows", _scale_rows_into, outputs={"out": lambda x, scale, dtype: operators.dense_like(x, dtype)}
+    ),
+    in_place=operators.define("scale_rows_", _scale_rows_in_place, outputs={}, mutates=("x",)),
+)
 
 
 def refuse_second_derivative(name: str) -> None:
@@ -440,7 +461,7 @@ def save_gradient(ctx, grad: torch.Tensor, owed: torch.Tensor, shape: torch.Size
 def scaled_gradient(ctx, grad_loss: torch.Tensor) -> torch.Tensor:
     """The saved gradient times the upstream gradient, scaled in place, in the input's shape."""
     grad, owed = ctx.saved_tensors
-    SCALE_ROWS_IN_PLACE(grad, grad_loss.float() * owed)
+    SCALE_ROWS.in_place(grad, grad_loss.float() * owed)
     # detach(): a fresh tensor object, so a leaf's .grad is never the leaf itself (in place: its memory)
     return grad.view(ctx.grad_shape).detach()
 
