@@ -108,5 +108,6 @@ def test_the_old_module_name_still_runs_the_generator(monkeypatch, capsys):
     # `python -m liger_lab.chapters --check`, as the Makefile and CI run it.
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["liger_lab.chapters", "--check"])
+    monkeypatch.delitem(sys.modules, "liger_lab.chapters", raising=False)  # as in a fresh `python -m`
     runpy.run_module("liger_lab.chapters", run_name="__main__")
     assert capsys.readouterr().out == "chapters/ is in sync with solutions/\n"

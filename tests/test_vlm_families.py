@@ -195,6 +195,21 @@ def test_unpatch_restores_the_model_exactly(model_type):
         assert torch.equal(model(**batch).logits, before)
 
 
+def test_a_hooked_final_norm_keeps_its_output():
+    """The fused loss may write its backward over the hidden states it reads, the language model's final norm's
+    output, unless something may have kept that output: a hook on the norm (under the base model's language_model in
+    a vision-language model) sees it intact after the backward."""
+    reference = vlm("llava")
+    model = liger_lab.patch(copy.deepcopy(reference))
+    batch = image_batch(reference)
+    kept = []
+    for each in (model, reference):
+        each.model.language_model.norm.register_forward_hook(lambda module, args, output: kept.append(output))
+        training_step(each, batch)
+    assert relative_l2_error(*kept) < 1e-5
+    liger_lab.unpatch(model)
+
+
 def test_llava_patched_by_model_type():
     """LLaVA's pieces are Llama's classes (modeling_llama), its loss LlavaForConditionalGeneration's forward
     (modeling_llava): patching the family swaps both, and unpatching it puts both back."""

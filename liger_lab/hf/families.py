@@ -230,7 +230,8 @@ FAMILIES: dict[str, _Family] = {
                           "a Gemma3RMSNorm, is fused)"),
         ),
     ),
-    # LLaVA with a Llama text config (LLaVA 1.5): its language model is a LlamaModel, built from llama's classes.
+    # LLaVA with a Llama text config (LLaVA 1.5): its language model is a LlamaModel, built from llama's classes, which
+    # patch("llava") therefore swaps for every Llama model built afterwards, as patch("llama") does.
     "llava": replace(
         _LLAMA, module="llama", causal_lm_module="llava", names=(("ForCausalLM", "LlavaForConditionalGeneration"),),
         left_alone=(

@@ -348,7 +348,9 @@ class _InterpreterWatch:
     happen to hit another one.
     """
 
-    _BUILDER_METHODS = ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_get_program_id")
+    _BUILDER_METHODS = (
+        "create_masked_load", "create_masked_store", "create_atomic_rmw", "create_get_program_id", "create_addptr",
+    )  # fmt: skip
 
     def __init__(self, guard: Guard):
         from triton.runtime import interpreter
@@ -362,7 +364,7 @@ class _InterpreterWatch:
     def __enter__(self) -> _InterpreterWatch:
         builder, executor = self.interpreter.InterpreterBuilder, self.interpreter.GridExecutor
         watch = self
-        originals = {name: getattr(builder, name) for name in (*self._BUILDER_METHODS, "create_addptr")}
+        originals = {name: getattr(builder, name) for name in self._BUILDER_METHODS}
         original_call = executor.__call__
         self.saved = {(builder, name): method for name, method in originals.items()}
         self.saved[(executor, "__call__")] = original_call
@@ -488,11 +490,14 @@ class _InterpreterWatch:
 
 
 class Guard:
-    """The checks of one exercise (see :func:`guarded`)."""
+    """The checks of one exercise (see :func:`guarded`): :meth:`band` copies a check's tensors into guard bands,
+    :meth:`tail` runs launches as the last programs of one past 2**31 elements, :meth:`require` stops on a check
+    that prints its own line."""
 
     def __init__(self, name: str, bug: bool):
         self.name, self.bug = name, bug
         self.bands: list[_Band] = []
+        # Only the interpreter lets a check see each access; on a GPU the guard bands alone report.
         self.watch = _InterpreterWatch(self) if runtime.INTERPRET else None
         self.shown: list[str] = []
 
