@@ -32,6 +32,13 @@ from liger_lab.workbook.results import write_rows
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 IMPLS = list(dict.fromkeys(impl for op in bench.OPS.values() for impl in op.impls))
 
+
+def _repeatable(flag: str, name: str, choices: click.ParamType, help_text: str) -> Callable[[Callable], Callable]:
+    """A click option that may be given several times: the command receives the tuple ``name`` of its values
+    (empty when it is not given, which each command reads as its default set)."""
+    return click.option(flag, name, multiple=True, type=choices, help=help_text)
+
+
 # --------------------------------------------------------------------------------------------------
 # check
 
@@ -167,9 +174,7 @@ def main() -> None:
 
 
 @main.command(short_help="Check every kernel and its gradients against float64.")
-@click.option(
-    "--op", "ops", multiple=True, type=click.Choice(CHECK_OPS), help="Op to check (repeatable; default: all)."
-)
+@_repeatable("--op", "ops", click.Choice(CHECK_OPS), "Op to check (repeatable; default: all).")
 @click.option("-v", "--verbose", is_flag=True, help="Print every output and gradient comparison.")
 def check(ops: tuple[str, ...], verbose: bool) -> None:
     """Check every kernel and its gradients against the float64 reference on this machine.
@@ -262,14 +267,8 @@ def _op_shape(op: str, text: str) -> tuple[int, ...]:
 
 
 @bench_group.command("ops", short_help="Time and measure every op, every implementation.")
-@click.option("--op", "ops", multiple=True, type=click.Choice(list(bench.OPS)), help="Op (repeatable; default: all).")
-@click.option(
-    "--impl",
-    "impls",
-    multiple=True,
-    type=click.Choice(IMPLS),
-    help="Implementation (repeatable; default: every one available here).",
-)
+@_repeatable("--op", "ops", click.Choice(list(bench.OPS)), "Op (repeatable; default: all).")
+@_repeatable("--impl", "impls", click.Choice(IMPLS), "Implementation (repeatable; default: every one available here).")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="bf16", show_default=True)
 @click.option("--small", is_flag=True, help="Small shapes even on the GPU (always small in the interpreter).")
 @click.option("--shape", metavar="AxBx...", help="One shape for every op chosen, e.g. 8192x4096 for a norm.")
@@ -336,30 +335,25 @@ class _Children:
 
 
 @bench_group.command("e2e", short_help="Train model presets per mode: tokens/s, peak memory, the loss of every step.")
-@click.option(
+@_repeatable(
     "--mode",
     "modes",
-    multiple=True,
-    type=click.Choice(list(e2e.MODES)),
-    help="Training mode (repeatable; default: every one available here). +compile: then torch.compile the model.",
+    click.Choice(list(e2e.MODES)),
+    "Training mode (repeatable; default: every one available here). +compile: then torch.compile the model.",
 )
-@click.option(
+@_repeatable(
     "--model",
     "models",
-    multiple=True,
-    type=click.Choice(sorted(e2e.MODEL_SIZES)),
-    help="Model preset (repeatable) [default: 1.5b on GPU, tiny on CPU].",
+    click.Choice(sorted(e2e.MODEL_SIZES)),
+    "Model preset (repeatable) [default: 1.5b on GPU, tiny on CPU].",
 )
 @click.option("--layers", type=click.IntRange(min=1), help="Override the number of decoder layers.")
-@click.option(
-    "--batch", "batches", multiple=True, type=click.IntRange(min=1), help="Batch size [default: 8 on GPU, 2 on CPU]."
-)
-@click.option(
+@_repeatable("--batch", "batches", click.IntRange(min=1), "Batch size [default: 8 on GPU, 2 on CPU].")
+@_repeatable(
     "--seq",
     "seqs",
-    multiple=True,
-    type=click.IntRange(min=1),
-    help="Sequence length [default: 2048 on GPU, 16 on CPU]. Repeat --batch and --seq for several sizes.",
+    click.IntRange(min=1),
+    "Sequence length [default: 2048 on GPU, 16 on CPU]. Repeat --batch and --seq for several sizes.",
 )
 @click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True, help="Timed steps.")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed steps first.")

@@ -162,6 +162,13 @@ def test_module_matches_an_add_then_rms_norm():
     assert not isinstance(fused, RMSNorm)
 
 
+def test_module_refuses_an_in_place_backward():
+    # The sum's gradient flows on along the residual stream, so dx cannot overwrite dy.
+    with pytest.raises(ValueError, match="AddRMSNorm has no in-place backward"):
+        AddRMSNorm(8, in_place_backward=True)
+    assert RMSNorm(8, in_place_backward=True).in_place_backward
+
+
 @pytest.mark.parametrize(
     "x,r,w,kwargs,message",
     [

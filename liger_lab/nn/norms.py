@@ -4,6 +4,7 @@ residual add fused into an RMSNorm."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -14,7 +15,10 @@ from liger_lab.ops.rms_norm import add_rms_norm, rms_norm
 
 class _RMSNormWeight(nn.Module):
     """The parameter and settings an RMSNorm holds, as ``LlamaRMSNorm`` names them (``weight``,
-    ``variance_epsilon``), so a model's norm weights load unchanged."""
+    ``variance_epsilon``), so a model's norm weights load unchanged. One constructor for both modules, so their
+    parameters cannot drift apart; ``in_place_backward=True`` raises ``ValueError`` in a module that has none."""
+
+    has_in_place_backward: ClassVar[bool]
 
     def __init__(
         self,
@@ -23,10 +27,14 @@ class _RMSNormWeight(nn.Module):
         *,
         offset: float = 0.0,
         casting_mode: str = "llama",
+        in_place_backward: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
+        if in_place_backward and not self.has_in_place_backward:
+            raise ValueError(f"in_place_backward=True: {type(self).__name__} has no in-place backward")
         super().__init__()
+        self.in_place_backward = in_place_backward
         init = torch.zeros if offset else torch.ones
         self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
@@ -45,19 +53,7 @@ class RMSNorm(_RMSNormWeight):
     :func:`liger_lab.rms_norm`).
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        eps: float = 1e-6,
-        *,
-        offset: float = 0.0,
-        casting_mode: str = "llama",
-        in_place_backward: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(hidden_size, eps, offset=offset, casting_mode=casting_mode, device=device, dtype=dtype)
-        self.in_place_backward = in_place_backward
+    has_in_place_backward = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm(
@@ -73,8 +69,10 @@ class AddRMSNorm(_RMSNormWeight):
     Parameters, defaults and state dict are :class:`RMSNorm`'s (and so ``LlamaRMSNorm``'s, or ``GemmaRMSNorm``'s
     with ``offset=1.0, casting_mode="gemma"``): a model's norm weights load unchanged. It is not an RMSNorm
     drop-in (it takes two inputs and returns two), and it has no in-place backward: the sum's gradient also
-    flows on along the residual stream.
+    flows on along the residual stream (``in_place_backward=True`` raises ``ValueError``).
     """
+
+    has_in_place_backward = False
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(

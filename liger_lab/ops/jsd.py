@@ -111,6 +111,15 @@ def _mixture(z, y, m_z, m_y, log_sum_z, log_sum_y, inv_temperature, log_odds):
 
 
 @triton.jit
+def _load_logits(z_row, y_row, offsets, mask, EVICTION: tl.constexpr):
+    """One block of the student's and the teacher's logits (rows' base pointers plus column ``offsets``) in fp32,
+    0 where masked. ``EVICTION``: the L2 policy, "evict_last" for a pass that a later one reads again."""
+    z = tl.load(z_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    y = tl.load(y_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    return z, y
+
+
+@triton.jit
 def _jsd_kernel(
     z_ptr, z_row_stride, y_ptr, y_row_stride, target_ptr, loss_ptr, grad_ptr, grad_row_stride, grad_scale_ptr,
     n_rows, n_cols, ignore_index, beta, log_beta, log_1m_beta, inv_temperature,
@@ -139,8 +148,7 @@ def _jsd_kernel(
         mask = keep[:, None] & ((start + cols) < n_cols)[None, :]
         offsets = (start + cols)[None, :]
         # evict_last: the next pass reads this block again, so it should outlive other rows' traffic in L2.
-        z = tl.load(z_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        y = tl.load(y_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        z, y = _load_logits(z_row, y_row, offsets, mask, "evict_last")
         m_z, sum_z, rescale_z, e_z = online_lse_step(m_z, sum_z, tl.where(mask, z, float("-inf")), inv_temperature)
         m_y, sum_y, rescale_y, e_y = online_lse_step(m_y, sum_y, tl.where(mask, y, float("-inf")), inv_temperature)
         if MODE == 0:
@@ -168,8 +176,7 @@ def _jsd_kernel(
         for start in range(0, n_cols, BLOCK_N):
             mask = keep[:, None] & ((start + cols) < n_cols)[None, :]
             offsets = (start + cols)[None, :]
-            z = tl.load(z_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            y = tl.load(y_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            z, y = _load_logits(z_row, y_row, offsets, mask, "evict_last")
             q, p, s_q, s_p = _mixture(z, y, m_z, m_y, log_sum_z, log_sum_y, inv_temperature, log_beta - log_1m_beta)
             mean_q_s += tl.sum(tl.where(mask, q * s_q, 0.0), axis=1)
             mean_p_s += tl.sum(tl.where(mask, p * s_p, 0.0), axis=1)
@@ -187,8 +194,7 @@ def _jsd_kernel(
             mask = keep[:, None] & in_row
             offsets = (start + cols)[None, :]
             # evict_first on this last read and on the store: neither is needed again.
-            z = tl.load(z_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            y = tl.load(y_row[:, None] + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            z, y = _load_logits(z_row, y_row, offsets, mask, "evict_first")
             if MODE == 0:
                 grad = tl.exp(_log_softmax(z, m_z, log_sum_z, inv_temperature))
                 grad -= tl.exp(_log_softmax(y, m_y, log_sum_y, inv_temperature))

@@ -229,6 +229,18 @@ def _liger_preference(class_name: str, **options: object):
 _NORM = dict(bench_shape=(16384, 4096), quick_shape=(4096, 4096), check_shapes=((3, 37, 96), (4, 1024, 4096)))
 _GLU = dict(bench_shape=(16384, 14336), quick_shape=(4096, 14336), check_shapes=((3, 33, 160), (2048, 14336)))
 _IN_PLACE = {"in_place_backward": {"in_place_backward": True}}
+# RoPE and M-RoPE rotate q and k, shapes (B, q heads, k heads, T, D): one read and one write of each.
+_ROPE = dict(fwd_passes=2, full_passes=4, elements=lambda s: s[0] * (s[1] + s[2]) * s[3] * s[4])
+# The unpaired losses over B completions of T positions, (B, T, hidden H, vocabulary V): V logits per token move.
+# Neither is timed under a CUDA graph, and both carry their gradient in an autograd.Function.
+_COMPLETIONS = dict(
+    bench_shape=(8, 1024, 4096, 128256),
+    quick_shape=(2, 1024, 4096, 128256),
+    check_shapes=((3, 9, 16, 130), (4, 512, 4096, 128256)),
+    elements=lambda s: s[0] * s[1] * s[3],
+    graph_timing=False,
+    registered_autograd=False,
+)
 
 OPS: dict[str, OpSpec] = {
     spec.name: spec
@@ -257,18 +269,14 @@ OPS: dict[str, OpSpec] = {
             "rope", _rope_inputs, ("q", "k", "cos", "sin"), ("q", "k"),
             bench_shape=(4, 32, 8, 4096, 128), quick_shape=(1, 32, 8, 4096, 128),
             check_shapes=((2, 4, 2, 19, 32), (2, 32, 8, 1024, 128)),
-            operators=("rope", "rope_backward"),
-            fwd_passes=2, full_passes=4, elements=lambda s: s[0] * (s[1] + s[2]) * s[3] * s[4],
-            liger=("liger_rope", {}),
+            operators=("rope", "rope_backward"), **_ROPE, liger=("liger_rope", {}),
         ),
         OpSpec(
             "mrope", _mrope_inputs, ("q", "k", "cos", "sin", "mrope_section"), ("q", "k"),
             # Qwen2.5-VL-7B's attention: 28 query heads, 4 key heads of 128.
             bench_shape=(4, 28, 4, 4096, 128), quick_shape=(1, 28, 4, 4096, 128),
             check_shapes=((2, 4, 2, 19, 32), (2, 28, 4, 1024, 128)),
-            operators=("mrope", "mrope_backward"),
-            fwd_passes=2, full_passes=4, elements=lambda s: s[0] * (s[1] + s[2]) * s[3] * s[4],
-            liger=("liger_qwen2vl_mrope", {}),
+            operators=("mrope", "mrope_backward"), **_ROPE, liger=("liger_qwen2vl_mrope", {}),
         ),
         OpSpec(
             "swiglu", _glu_inputs, ("gate", "up"), ("gate", "up"), **_GLU,
@@ -367,14 +375,10 @@ OPS: dict[str, OpSpec] = {
             "fused_linear_kto", functools.partial(_preference_inputs, with_reference=True, paired=False),
             ("hidden", "weight", "target", "label", "ref_hidden", "ref_weight"),
             ("hidden", "weight"),
-            # (completions B, positions T, hidden H, vocabulary V): B unpaired sequences of T positions.
-            bench_shape=(8, 1024, 4096, 128256), quick_shape=(2, 1024, 4096, 128256),
-            check_shapes=((3, 9, 16, 130), (4, 512, 4096, 128256)),
-            operators=("fused_linear_preference", "scale_rows", "scale_rows_"),
-            elements=lambda s: s[0] * s[1] * s[3],
+            # B unpaired sequences of T positions.
+            **_COMPLETIONS, operators=("fused_linear_preference", "scale_rows", "scale_rows_"),
             # 6 N H V for the trained head, plus 2 N H V for the reference head.
             flops=lambda s: 8.0 * s[0] * s[1] * s[2] * s[3],
-            graph_timing=False, registered_autograd=False,
             # Like DPO's margin, the log-ratio logp - ref is a difference of two sums of hundreds of token
             # log-probabilities: fp32's rounding of the sums exceeds 1e-5 of it at the GPU check shape.
             check_tolerances={torch.float32: 1e-4},
@@ -404,14 +408,10 @@ OPS: dict[str, OpSpec] = {
         ),
         OpSpec(
             "fused_linear_grpo", _grpo_inputs, ("hidden", "weight", "target", "advantages"), ("hidden", "weight"),
-            # (completions B, positions T, hidden H, vocabulary V): N = B T tokens, as the fused cross-entropy's.
-            bench_shape=(8, 1024, 4096, 128256), quick_shape=(2, 1024, 4096, 128256),
-            check_shapes=((3, 9, 16, 130), (4, 512, 4096, 128256)),
-            operators=("fused_linear_grpo", "scale_rows", "scale_rows_"),
-            elements=lambda s: s[0] * s[1] * s[3],
+            # N = B T tokens, as the fused cross-entropy's.
+            **_COMPLETIONS, operators=("fused_linear_grpo", "scale_rows", "scale_rows_"),
             # The default (token-level weights) makes its gradient in the forward: 6 N H V FLOPs.
             flops=lambda s: 6.0 * s[0] * s[1] * s[2] * s[3],
-            graph_timing=False, registered_autograd=False,
             # Liger-Kernel's chunked GRPO at our defaults (dapo, token level, no KL term, no old log-probabilities);
             # it takes the completion mask and in-range token ids, and returns (loss, metrics).
             liger_modules={"liger": _liger_module(
