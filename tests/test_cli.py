@@ -275,3 +275,8 @@ def test_patch_dry_run_reports_a_family():
     assert "fused      RMSNorm" in result.output and "left alone router" in result.output
     assert "grouped_mm" in result.output  # transformers' default experts kernel, which stays as it is
     assert CliRunner().invoke(cli.main, ["patch", "bert", "--dry-run"]).exit_code != 0  # not a family
+
+
+def test_patch_says_how_to_report_a_vision_language_family():
+    result = CliRunner().invoke(cli.main, ["patch", "qwen2_5_vl"])
+    assert result.exit_code == 2 and "vision-language family" in result.output and "patch_report" in result.output

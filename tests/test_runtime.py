@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import liger_lab
 from liger_lab import runtime
@@ -188,3 +189,25 @@ def test_bf16_stores_round_to_nearest_even_like_torch():
     expected = x.to(torch.bfloat16)
     assert torch.equal(out.view(torch.int16)[1:], expected.view(torch.int16)[1:])
     assert out[0].isnan()
+
+
+@triton.jit
+def _ones_kernel(out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    for start in range(0, n, BLOCK):
+        tl.store(out_ptr + start + offsets, tl.full([BLOCK], 1, tl.int64), mask=start + offsets < n)
+
+
+@pytest.mark.skipif(not runtime.INTERPRET, reason="the interpreter's scalars")
+def test_runtime_scalar_bounds_a_loop_where_the_interpreter_converts_it_with_int(monkeypatch):
+    """Triton 3.6's interpreter turns a scalar into an int with int(one-element array), which NumPy 2.4 refuses."""
+    from triton.runtime import interpreter
+
+    def patch_as_triton_3_6(tensor, scope):
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(1, 1)))  # never 0-d
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_as_triton_3_6)
+    runtime.device._index_scalars_in_interpreter()
+    out = torch.zeros(10, dtype=torch.int64)
+    runtime.launch_kernel(_ones_kernel, (1,), out, out.numel(), BLOCK=4)
+    assert out.tolist() == [1] * 10

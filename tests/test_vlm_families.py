@@ -151,7 +151,6 @@ def test_multimodal_rope_of_the_text_layers_runs_the_fused_rope(monkeypatch, mod
     assert modeling.apply_rotary_pos_emb is _original(modeling, "apply_rotary_pos_emb")
 
 
-@pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match")  # PEFT's own
 def test_lora_on_the_language_model_reaches_the_fused_pieces(fused_calls):  # noqa: F811
     """PEFT LoRA on Qwen2.5-VL's language model (q, v, gate, up, down; the vision blocks' MLP, whose projections have
     the same names, is not adapted) and on lm_head: the fused norms, RoPE, SwiGLU and head run on the adapted

@@ -78,8 +78,29 @@ def _round_bf16_casts_in_interpreter() -> None:
     builder.create_fp_trunc = cast_impl
 
 
+def _index_scalars_in_interpreter() -> None:
+    """Let a kernel's runtime scalars bound its loops (``range(0, n_cols, BLOCK_N)``) in Triton 3.6's interpreter.
+
+    That interpreter holds every scalar as a one-element array and turns it into a Python int with ``int(array)``,
+    which NumPy 2.4 refuses for an array of one dimension. Triton 3.9's interpreter squeezes the array first; this
+    does the same where the installed Triton does not (its ``__index__`` is set again at every launch)."""
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "squeezes_index", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor.squeezes_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 if INTERPRET:
     _round_bf16_casts_in_interpreter()
+    _index_scalars_in_interpreter()
 
 DEVICE: torch.device = torch.device("cpu") if INTERPRET else torch.device("cuda")
 """The device liger_lab's kernels expect their tensors on."""
