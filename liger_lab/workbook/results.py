@@ -86,13 +86,18 @@ def source(name: str, timer: str | None = None) -> str:
     """Where the numbers of ``name`` come from, in one line: GPU, versions, date, clock and file."""
     rows = load(name)
     first = rows[0]
+    # A CPU measurement (benchmarks/host_time.py) names its machine, versions and runs in one record.
+    machine = first.get("machine", {})
+    described = {**machine, **first}
     versions = ", ".join(
-        f"{label} {first[key]}"
+        f"{label} {described[key]}"
         for key, label in (("torch", "torch"), ("triton", "Triton"), ("liger_kernel", "Liger-Kernel"))
-        if key in first
+        if key in described
     )
     clock = timer or next((row["timer"] for row in rows if row.get("timer")), None)  # ceiling rows have none
-    parts = [first.get("gpu", "unknown GPU"), versions, first.get("date", "undated")]
+    where = first.get("gpu") or (f"{machine['cpu']} ({machine['cores']} cores, CPU)" if "cpu" in machine else None)
+    dates = [run["date"] for run in first.get("runs", {}).values() if "date" in run]
+    parts = [where or "unknown GPU", versions, first.get("date") or max(dates, default="undated")]
     clock_text = f"; {TIMERS.get(clock, clock)}" if clock else ""
     return f"{', '.join(part for part in parts if part)}{clock_text} ({name})"
 
