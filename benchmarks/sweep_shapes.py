@@ -14,7 +14,7 @@ Ops and shapes (bf16, forward+backward; tokens 2048, 8192, 32768 and 65536):
 - fused_linear_cross_entropy: 8192 tokens, hidden 2048 and 4096, the same vocabularies.
 
 A shape whose inputs would not fit in ``--memory-gib`` (100) while they are made is skipped. Each implementation is
-measured by :mod:`liger_lab.bench`, on the clock of DESIGN.md (CUDA-graph replay where capture works, else the
+measured by :mod:`liger_lab.bench`, on the protocol's clock (CUDA-graph replay where capture works, else the
 kernel sum under ``torch.profiler``; wall time of a call beside it), and printed as it finishes; a peer's line
 gives liger_lab's time over its own. ``--json`` is rewritten after every shape (rows with the GPU, versions, date
 and commit, :func:`liger_lab.workbook.results.write_rows`), so a command stopped at its time limit keeps what it

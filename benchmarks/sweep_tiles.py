@@ -3,7 +3,7 @@
     python -m benchmarks.sweep_tiles [--only norms|cross_entropy|jsd|rope|glu ...] [--json FILE]
     python -m benchmarks.sweep_tiles --quick     # tiny shapes, one setting besides the default: runs on CPU too
 
-At each op's DESIGN.md shape in bf16, what varies:
+At each op's protocol shape in bf16, what varies:
 
 - norms (rms_norm, add_rms_norm, layer_norm): the forward's rows per program and warps, and the persistent
   backward's rows, warps, programs per SM and tiles in flight (Triton's software pipelining of its loop)

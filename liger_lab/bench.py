@@ -1,6 +1,6 @@
-"""The benchmark protocol of DESIGN.md: every op, every implementation, one process.
+"""The benchmark protocol (`benchmarks/notes/README.md`): every op, every implementation, one process.
 
-Each :class:`OpBench` knows its shape on the GPU (the DESIGN.md shape) and a small one for the CPU
+Each :class:`OpBench` knows its shape on the GPU (the protocol shape) and a small one for the CPU
 interpreter, how to make fresh random inputs, the fewest bytes the op must move, and which
 implementations exist here: ``liger_lab`` (the public call with no options), ``liger_lab:<variant>``
 (an opt-in such as ``in_place_backward=True``, a row of its own), ``eager`` (the plain PyTorch reference),

@@ -35,7 +35,7 @@ class OpSpec:
     differentiable: tuple[str, ...]
     """Inputs whose gradients are checked; the others are constants of the call (targets, RoPE tables)."""
     bench_shape: Shape
-    """The benchmark-protocol shape of DESIGN.md (GPU)."""
+    """The benchmark-protocol shape (GPU; `benchmarks/notes/README.md`)."""
     quick_shape: Shape
     """A quarter or less of the protocol shape: quick GPU runs."""
     check_shapes: tuple[Shape, Shape]
