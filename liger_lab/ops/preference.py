@@ -611,7 +611,8 @@ def _check_kl(kl, kl_logps, ref_kl_logps, device: torch.device) -> torch.Tensor 
 def _preference(o, hidden, weight, target, *, ref=(None, None, None), label=None, kl=None, nll_target=None,
                 ignore_index, chunk_units, accumulation, return_logps):  # fmt: skip
     """Validate what every loss shares (ValueError before any work), then run the operator under autograd. Returns
-    the loss, or (loss, the sequences' scores (N,), the reference's logp (N,) or an empty tensor)."""
+    the loss, or with ``return_logps`` (loss, the sequences' scores (N,), the reference's logp (N,)) for an unpaired
+    loss, (loss, chosen scores, rejected scores[, reference chosen, reference rejected for DPO]) for a paired one."""
     check_loss_options(LossOptions(ignore_index=ignore_index))
     paired = group_size(o.loss) == 2
     layout = PAIRED_LAYOUT if paired else UNPAIRED_LAYOUT
@@ -636,14 +637,14 @@ def _preference(o, hidden, weight, target, *, ref=(None, None, None), label=None
     arguments = (*o.arguments(), ignore_index, chunk_units, accumulation, chunked.needed_grads(hidden, weight))
     tensors = (hidden, weight, target, ref_hidden, ref_weight, *constants, nll_target)
     total, scores, ref_scores = chunked.run_loss(_LOSSES[o.loss], tensors, arguments)
-    return (total, scores, ref_scores) if return_logps else total
-
-
-def _pair_outputs(outputs, n_pairs: int, with_reference: bool = False):
-    """(loss, scores, ref) -> (loss, chosen, rejected[, ref_chosen, ref_rejected]) for a paired loss."""
-    total, scores, ref = outputs
-    split = (scores[:n_pairs], scores[n_pairs:])
-    return (total, *split, ref[:n_pairs], ref[n_pairs:]) if with_reference else (total, *split)
+    if not return_logps:
+        return total
+    if not paired:
+        return total, scores, ref_scores
+    # A paired loss returns its scores per side: (loss, chosen, rejected), with DPO's reference scores after them.
+    n_pairs = hidden.shape[0] // 2
+    sides = (scores[:n_pairs], scores[n_pairs:])
+    return (total, *sides, ref_scores[:n_pairs], ref_scores[n_pairs:]) if o.loss == "dpo" else (total, *sides)
 
 
 _COMMON_DOC = """
@@ -680,11 +681,10 @@ def fused_linear_dpo(
     accumulation: str | None = None,
     return_logps: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    outputs = _preference(
+    return _preference(
         dpo_options(beta, loss_type, label_smoothing), hidden, weight, target, ref=(ref_hidden, ref_weight, ref_logps),
         ignore_index=ignore_index, chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
     )  # fmt: skip
-    return _pair_outputs(outputs, hidden.shape[0] // 2, with_reference=True) if return_logps else outputs
 
 
 fused_linear_dpo.__doc__ = (
@@ -719,11 +719,10 @@ def fused_linear_orpo(
     accumulation: str | None = None,
     return_logps: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    outputs = _preference(
+    return _preference(
         orpo_options(beta), hidden, weight, target, nll_target=nll_target, ignore_index=ignore_index,
         chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
     )  # fmt: skip
-    return _pair_outputs(outputs, hidden.shape[0] // 2) if return_logps else outputs
 
 
 fused_linear_orpo.__doc__ = (
@@ -754,11 +753,10 @@ def fused_linear_simpo(
     accumulation: str | None = None,
     return_logps: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    outputs = _preference(
+    return _preference(
         simpo_options(beta, gamma), hidden, weight, target, ignore_index=ignore_index, chunk_units=chunk_pairs,
         accumulation=accumulation, return_logps=return_logps,
     )  # fmt: skip
-    return _pair_outputs(outputs, hidden.shape[0] // 2) if return_logps else outputs
 
 
 fused_linear_simpo.__doc__ = (
@@ -785,11 +783,10 @@ def fused_linear_cpo(
     accumulation: str | None = None,
     return_logps: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    outputs = _preference(
+    return _preference(
         cpo_options(beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha), hidden, weight, target,
         ignore_index=ignore_index, chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
     )  # fmt: skip
-    return _pair_outputs(outputs, hidden.shape[0] // 2) if return_logps else outputs
 
 
 fused_linear_cpo.__doc__ = (
