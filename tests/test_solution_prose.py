@@ -42,14 +42,19 @@ def _output_text(output: dict) -> str:
     return "".join(output.get("data", {}).get("text/plain", ""))
 
 
-def _output_lines(path: Path) -> list[str]:
+def _output_line_sources(path: Path) -> list[tuple[int, dict, dict, str]]:
+    """(cell index, cell, output, line) for every line a code cell printed."""
     return [
-        line
-        for cell in _cells(path)
+        (index, cell, output, line)
+        for index, cell in enumerate(_cells(path))
         if cell["cell_type"] == "code"
         for output in cell.get("outputs", [])
         for line in _output_text(output).splitlines()
     ]
+
+
+def _output_lines(path: Path) -> list[str]:
+    return [line for *_, line in _output_line_sources(path)]
 
 
 def _prose(path: Path) -> str:
@@ -96,10 +101,7 @@ def test_markdown_tells_no_tuning_round(path):
 def test_committed_outputs_show_no_failed_check(path):
     failed = [
         f"cell {index}: {line.strip()[:120]}"
-        for index, cell in enumerate(_cells(path))
-        if cell["cell_type"] == "code"
-        for output in cell.get("outputs", [])
-        for line in _output_text(output).splitlines()
+        for index, cell, output, line in _output_line_sources(path)
         if (FAILED.search(line) and not _shows_a_bug(cell))
         or line.startswith("BUG HIDDEN")
         or output.get("output_type") == "error"
@@ -111,12 +113,8 @@ def test_committed_outputs_show_no_failed_check(path):
 def test_committed_stderr_shows_no_warning(path):
     warned = [
         f"cell {index}: {line.strip()[:160]}"
-        for index, cell in enumerate(_cells(path))
-        if cell["cell_type"] == "code"
-        for output in cell.get("outputs", [])
-        if output.get("output_type") == "stream" and output.get("name") == "stderr"
-        for line in _output_text(output).splitlines()
-        if "Warning" in line
+        for index, _, output, line in _output_line_sources(path)
+        if output.get("output_type") == "stream" and output.get("name") == "stderr" and "Warning" in line
     ]
     assert not warned, "fix the warning where it comes from, then re-run the notebook:\n" + "\n".join(warned)
 
