@@ -211,3 +211,35 @@ def test_runtime_scalar_bounds_a_loop_where_the_interpreter_converts_it_with_int
     out = torch.zeros(10, dtype=torch.int64)
     runtime.launch_kernel(_ones_kernel, (1,), out, out.numel(), BLOCK=4)
     assert out.tolist() == [1] * 10
+
+
+def _keyed_kernel(x_ptr, n, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr = 4, r_ptr=None):
+    pass
+
+
+def test_a_launch_key_tells_apart_every_specialization_triton_compiles():
+    """The GPU's direct launches reuse a compiled kernel for every launch with the same key: a key coarser than
+    Triton's own would run a kernel compiled for other constexprs or alignments (silently wrong results)."""
+    kernel = triton.runtime.JITFunction(_keyed_kernel)
+    x = torch.empty(64)
+
+    def key(*args, **kwargs):
+        return runtime.device.launch_key(kernel, 0, args, {"ROWS": 4, "num_warps": 4, **kwargs})
+
+    base = key(x, 1000, 1e-5)
+    assert base == key(torch.empty(64), 1000 + 16 * 7, 3e-5)  # another tensor, n of the same kind, another eps
+    different = [
+        key(x, 1000, 1e-5, ROWS=8),  # a constexpr's value
+        key(x, 1000, 1e-5, BLOCK=4),  # a constexpr given, even at its default (Triton keys it the same; finer is safe)
+        key(x, 1000, 1e-5, num_warps=8),  # a launch option
+        key(x[1:], 1000, 1e-5),  # a pointer off 16-byte alignment
+        key(x.double(), 1000, 1e-5),  # a dtype
+        key(x, 1, 1e-5),  # an integer equal to 1 (Triton makes it a constant)
+        key(x, 1024, 1e-5),  # an integer divisible by 16
+        key(x, 2**31, 1e-5),  # a 64-bit integer
+        key(x, 1000, 1),  # an integer where a float was
+        key(x, 1000, 1e-5, r_ptr=x),  # a tensor where None was
+        key(x, 1000, 1e-5, r_ptr=torch.empty(4, dtype=torch.int32)),
+    ]
+    assert len({base, *different}) == len(different) + 1
+    assert id(x) not in base and x.data_ptr() not in base  # tensors by kind, never by address: no key per tensor

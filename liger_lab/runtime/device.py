@@ -193,18 +193,103 @@ def device_context(device: torch.device) -> contextlib.AbstractContextManager:
 _skipping_launches = False
 
 
-def launch_kernel(kernel: Callable[..., object], grid: tuple[int, ...], *args: object, **kwargs: object) -> object:
+def launch_kernel(kernel: Callable[..., object], grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
     """``kernel[grid](*args, **kwargs)`` on the device of its first tensor argument (:func:`device_context`).
 
     Every launch in liger_lab goes through here. Triton itself launches on the current device whatever its
     arguments' device: in a model split over GPUs in one process (``device_map="auto"``, layers placed by hand),
     a layer on GPU 1 called while GPU 0 is current would launch on GPU 0 with pointers into GPU 1's memory, on
-    a stream unordered with the work that made its inputs. Under :func:`skip_launches` it returns at once."""
+    a stream unordered with the work that made its inputs. Under :func:`skip_launches` it returns at once.
+    On the GPU a launch whose specialization was launched before skips Triton's own launch path
+    (:func:`_launch_compiled`)."""
     if _skipping_launches:
-        return None
+        return
     device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
     with device_context(device):
-        return kernel[grid](*args, **kwargs)
+        if INTERPRET or not _launch_compiled(kernel, grid, device, args, kwargs):
+            kernel[grid](*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# The GPU's launch path without Triton's per-call work.
+#
+# ``kernel[grid](...)`` binds the arguments, works out the specialization Triton compiles for (each tensor's dtype and
+# 16-byte alignment, each integer's width, whether it is 1 and whether 16 divides it, every constexpr), turns it
+# into a string key, looks the compiled kernel up, and only then calls its launcher. On a GPU host that is tens of
+# microseconds per launch, more than a small kernel's GPU time and more than an eager PyTorch op costs the host.
+# Here the first launch of a specialization goes through Triton, which compiles the kernel and returns it; later
+# launches whose arguments have the same key (one at least as fine as Triton's own, so that two calls with one key
+# always get the same compiled kernel) call that kernel's launcher directly. While a launch hook is installed (a
+# Triton profiler's) every launch goes through Triton, which calls the hooks.
+
+_COMPILED: dict[tuple, tuple[Callable[..., object], object, object, tuple[tuple[str, object], ...]]] = {}
+"""Specialization key -> the compiled kernel's launcher, its function handle and metadata, and the parameters after
+the positional ones with their defaults."""
+_DIRECT_LAUNCHES = not INTERPRET and os.environ.get("LIGER_LAB_TRITON_LAUNCHER") != "1"
+"""False: every launch goes through ``kernel[grid]`` (set ``LIGER_LAB_TRITON_LAUNCHER=1`` to compare)."""
+
+
+def _specialization(value: object) -> object:
+    """What Triton specializes a (non-constexpr) kernel argument on, or finer."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return int, value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value < 2**63
+    if isinstance(value, float):
+        return float
+    return value
+
+
+_CONSTEXPRS: dict[object, tuple[tuple[bool, ...], dict[str, bool]]] = {}
+
+
+def launch_key(kernel, device_index: int, args: tuple, kwargs: dict) -> tuple:
+    """The cache key of a launch: the kernel, the device, and per argument what Triton compiles for, at least as
+    finely as Triton itself tells its compiled kernels apart. A constexpr, or a keyword that is no parameter (a
+    launch option such as ``num_warps``), is a compile-time value: its value itself is in the key. Any other
+    argument is in it by :func:`_specialization` (a tensor by dtype and alignment, never by its address)."""
+    known = _CONSTEXPRS.get(kernel)
+    if known is None:
+        flags = tuple(bool(p.is_constexpr) for p in kernel.params)
+        known = _CONSTEXPRS[kernel] = flags, dict(zip(kernel.arg_names, flags, strict=True))
+    positional, by_name = known
+    key = [kernel, device_index, len(args)]
+    key += [value if constant else _specialization(value) for value, constant in zip(args, positional, strict=False)]
+    for name, value in kwargs.items():
+        key += (name, _specialization(value) if by_name.get(name) is False else value)
+    return tuple(key)
+
+
+def _launch_compiled(kernel, grid: tuple[int, ...], device: torch.device, args: tuple, kwargs: dict) -> bool:
+    """Launch ``kernel`` straight through its compiled launcher if this specialization was launched before (then
+    return True); otherwise launch it through Triton once, keep what it compiled, and return True, or return False
+    where this Triton's launch path is not the one this function knows (the caller then launches it)."""
+    if not _DIRECT_LAUNCHES or type(kernel) is not triton.runtime.JITFunction:  # an autotuner picks its own
+        return False
+    hooks = triton.knobs.runtime
+    if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = launch_key(kernel, index, args, kwargs)
+    known = _COMPILED.get(key)
+    if known is None:
+        compiled = kernel[grid](*args, **kwargs)
+        names = tuple(getattr(kernel, "arg_names", ()))
+        if not all(hasattr(compiled, field) for field in ("run", "function", "packed_metadata")) or not names:
+            return True  # launched; an unknown Triton: every later launch takes the same path as this one
+        # The parameters after the positional ones (the key fixes how many), with their defaults.
+        defaults = [p.default for p in kernel.signature.parameters.values()][len(args) :]
+        rest = tuple(zip(names[len(args) :], defaults, strict=True))
+        _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata, rest)
+        return True
+    run, function, metadata, rest = known
+    # Every parameter in the kernel's order, constexprs and defaults included, as Triton's launcher takes them.
+    values = [*args, *(kwargs.get(name, default) for name, default in rest)]
+    x, y, z = (*grid, 1, 1)[:3]
+    run(x, y, z, torch._C._cuda_getCurrentRawStream(index), function, metadata, None, None, None, *values)
+    return True
 
 
 @contextlib.contextmanager
