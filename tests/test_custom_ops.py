@@ -8,6 +8,7 @@ import torch
 from helpers import OpCalls
 
 from liger_lab import runtime
+from liger_lab.ops.operators import LOWERED_UNDER_COMPILE, kernels_under_compile
 from liger_lab.ops.table import OPS, OpSpec
 
 CASES = [(name, label) for name, spec in OPS.items() for label in ("default", *spec.variants)]
@@ -65,10 +66,15 @@ def test_the_table_lists_every_registered_operator():
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("name,label", CASES, ids=IDS)
 def test_compiled_fullgraph_matches_eager(name, label, backend):
+    """The operators themselves under torch.compile (the row ops too, which lower to Inductor by default)."""
     spec = OPS[name]
     fn = spec.call(**_options(spec, label))
     torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    with kernels_under_compile():
+        _assert_compiled_matches_eager(spec, fn, torch.compile(fn, fullgraph=True, backend=backend))
+
+
+def _assert_compiled_matches_eager(spec: OpSpec, fn, compiled) -> None:
     results = []
     for run in (fn, compiled):
         inputs = _inputs(spec)
@@ -79,6 +85,26 @@ def test_compiled_fullgraph_matches_eager(name, label, backend):
     (eager_out, eager_grads), (compiled_out, compiled_grads) = results
     for ours, expected in zip(compiled_out + compiled_grads, eager_out + eager_grads, strict=True):
         torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(LOWERED_UNDER_COMPILE))
+def test_row_ops_trace_their_formula_under_compile_and_match_the_kernels(name):
+    """By default a compiled row op is its PyTorch formula, which Inductor fuses with its neighbours: no operator
+    call in the graph, and the kernels' values."""
+    spec = OPS[name]
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(str(graph_module.graph))
+        return torch._dynamo.backends.debugging.aot_eager(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    _assert_compiled_matches_eager(spec, spec.function, torch.compile(spec.function, fullgraph=True, backend=backend))
+    assert len(graphs) == 1 and "liger_lab" not in graphs[0], graphs
+    with kernels_under_compile():
+        torch._dynamo.reset()
+        torch.compile(spec.function, fullgraph=True, backend=backend)(*_inputs(spec))
+    assert "liger_lab" in graphs[-1], graphs[-1]
 
 
 @pytest.mark.parametrize("name", list(OPS))

@@ -476,7 +476,7 @@ class GradsMadeInForward(torch.autograd.Function):
     def forward(ctx, loss: FusedLoss, in_place: bool, arguments: tuple, *tensors: torch.Tensor | None):
         hidden, weight = tensors[:2]
         if in_place:
-            *results, grad_w, grad_b, owed = loss.operator.in_place(*tensors, *arguments)
+            *results, grad_w, grad_b, owed = loss.operator.call_in_place(*tensors, *arguments)
             # hidden now holds its gradient (the operator bumped its version: a node that saved it for its own
             # backward gets "modified by an inplace operation" instead of using a gradient). Saved detached: the
             # gradient is data now, not a node of the graph that made hidden.

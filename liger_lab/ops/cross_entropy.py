@@ -475,7 +475,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, options, in_place):
         if in_place:
-            loss, counts = CROSS_ENTROPY.in_place(logits, target, *options.fields(), True)
+            loss, counts = CROSS_ENTROPY.call_in_place(logits, target, *options.fields(), True)
             # The logits now hold their gradient (the op bumped their version: a node that saved them for
             # its own backward gets autograd's "modified by an inplace operation" error instead).
             grad = logits.detach()

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_lab import runtime
+from liger_lab import reference, runtime
 from liger_lab.ops import operators
 from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape, in_place_requested, may_overwrite
 from liger_lab.ops.operators import dense_like
@@ -175,7 +175,7 @@ def _backward(ctx, dout):
         # gate and up now hold gradients; the op bumps their versions, so a later reader that saved them
         # (a second backward with retain_graph, a producer that saved its output) gets autograd's
         # "modified by an inplace operation" error instead of computing with gradients as activations.
-        GLU_BACKWARD.in_place(dout, gate, up, ctx.activation)
+        GLU_BACKWARD.call_in_place(dout, gate, up, ctx.activation)
         # Fresh tensor objects over the same memory, so a leaf's .grad is never the leaf itself.
         return gate.detach(), up.detach(), None, None
     return *GLU_BACKWARD(dout, gate, up, ctx.activation), None, None
@@ -190,11 +190,18 @@ GLU = operators.define(
 )
 
 
+_PUBLIC_NAMES = {"silu": "swiglu", "gelu_tanh": "geglu"}
+_FORMULAS = {"silu": reference.swiglu, "gelu_tanh": reference.geglu}
+"""What :func:`swiglu` and :func:`geglu` trace under ``torch.compile`` (:func:`liger_lab.ops.operators.lowered`)."""
+
+
 def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, in_place_backward: bool) -> torch.Tensor:
     check_float("gate", gate)
     check_float("up", up)
     check_same_shape(gate=gate, up=up)
     check_same_dtype(gate=gate, up=up)
+    if operators.lowered(_PUBLIC_NAMES[activation]):
+        return _FORMULAS[activation](gate, up)
     # gate and up as one tensor: the in-place backward's two stores would race over the same memory. A parameter
     # or another leaf that requires grad is the caller's: its values must survive the backward.
     in_place = (

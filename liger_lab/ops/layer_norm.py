@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_lab import runtime
+from liger_lab import reference, runtime
 from liger_lab.ops import operators
 from liger_lab.ops.common import (
     Rows,
@@ -296,4 +296,6 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     check_same_dtype(x=x, weight=weight, bias=bias)
     if not eps >= 0:
         raise ValueError(f"eps is {eps}: expected a non-negative number")
+    if operators.lowered("layer_norm"):
+        return reference.layer_norm(x, weight, bias, eps)
     return row_op_in_layout(lambda rows: LAYER_NORM(rows, weight, bias, float(eps))[0], x)

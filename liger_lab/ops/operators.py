@@ -39,6 +39,27 @@ Why this shape, and not others:
   fake runs the launcher on fake tensors, whose memory the interpreter then tries to read (a ``RuntimeError``
   in Dynamo): the interpreter, where CI runs, could not compile any op.
 
+**Eager calls skip the dispatcher** (QuACK's eager bypass). Calling an operator from Python costs two trips
+through the dispatcher per call (the autograd kernel, then below autograd the kernel itself), each a C++ to Python
+crossing with its own argument parsing. Where nothing could observe or transform the call, an :class:`Operator`
+called as a function runs the same Python kernel and the same autograd formula directly (:func:`_eager`): no
+compiler tracing, no dispatch or function mode (``FakeTensorMode``, ``FlopCounterMode``, a test's call recorder),
+no functorch transform, no profiler (whose traces name the operators), and every tensor argument a plain
+``torch.Tensor`` or ``nn.Parameter`` (not a ``DTensor``, a fake or a functional tensor). Everything else goes
+through the registered operators, so ``torch.compile``, FSDP2, DTensor and ``opcheck`` see exactly what they saw
+before; the results are the same either way (the same kernel runs), which the tests check call by call.
+
+**Under ``torch.compile`` the row ops lower to Inductor** (:func:`lowered`). In a compiled model the operator is an
+opaque call that Inductor's wrapper makes from Python, so each of its launches costs the host as much as eagerly,
+while the code Inductor generates for the same PyTorch formula costs the host nothing per call and fuses with its
+neighbours (the residual add into the norm, the RoPE into the projections' epilogues). For the norms, RoPE and the
+gated activations, whose kernels are level with Inductor's on the GPU, the public functions therefore trace their
+PyTorch formula (:mod:`liger_lab.reference`, Hugging Face's own expressions) while Dynamo traces them:
+:data:`LOWERED_UNDER_COMPILE` lists them, ``benchmarks/notes/host_time.md`` holds the measurement behind the
+choice. The losses stay operators: their point is the memory a formula would spend on the logits. Inside
+:func:`kernels_under_compile` every op compiles as its operator (how the tests and chapter 09 compile the kernels
+themselves).
+
 Operators without a formula (backward operators, and the losses whose ``torch.autograd.Function`` makes the
 gradient in the forward) get no autograd kernel: called from a backward, or from a ``Function.forward``, they
 never see a tensor that autograd would follow.
@@ -46,8 +67,9 @@ never see a tensor that autograd would follow.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,15 +84,74 @@ _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 @dataclass(frozen=True)
 class Operator:
     """The operators one :func:`define` made: ``default`` returns fresh outputs, ``in_place`` (None unless declared)
-    writes the declared outputs over their arguments and returns the others. Both are ``OpOverload``\\ s, called
-    like functions with the operator's arguments in schema order."""
+    writes the declared outputs over their arguments and returns the others. Both are ``OpOverload``\\ s.
+
+    Call the operator as a function (``op(*args)``, ``op.call_in_place(*args)``), with its arguments in schema
+    order: eagerly that skips the dispatcher (see the module docstring), and anywhere else it calls the
+    ``OpOverload``."""
 
     name: str
     default: torch._ops.OpOverload
     in_place: torch._ops.OpOverload | None = None
+    eager_default: Callable[..., object] | None = None
+    """The dispatcher-free call of ``default``: its autograd formula (when it has one) over its Python kernel."""
+    eager_in_place: Callable[..., object] | None = None
 
     def __call__(self, *args: object) -> object:
+        if _eager(args):
+            return self.eager_default(*args)
         return self.default(*args)
+
+    def call_in_place(self, *args: object) -> object:
+        if _eager(args):
+            return self.eager_in_place(*args)
+        return self.in_place(*args)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager(args: tuple) -> bool:
+    """Whether a call with these arguments may skip the dispatcher: nothing traces, observes or transforms it, and
+    every tensor argument is a plain tensor (a subclass, such as ``DTensor`` or a fake tensor, has its own
+    dispatch). Each test is a C++ flag read: together well under a microsecond."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._are_functorch_transforms_active()
+        or torch._C._autograd._profiler_enabled()
+    ):
+        return False
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and type(arg) not in _PLAIN_TENSORS:
+            return False
+    return True
+
+
+LOWERED_UNDER_COMPILE = frozenset({"rms_norm", "add_rms_norm", "layer_norm", "rope", "swiglu", "geglu"})
+"""Public functions that trace their PyTorch formula under ``torch.compile`` instead of calling their operator."""
+
+_lower_under_compile = True
+
+
+def lowered(name: str) -> bool:
+    """Whether the public function ``name`` should return its PyTorch formula rather than call its operator: only
+    while Dynamo traces it, for an op of :data:`LOWERED_UNDER_COMPILE`, outside :func:`kernels_under_compile`.
+    Eagerly this is one flag read; in a traced function Dynamo folds it to a constant (and guards on the switch)."""
+    return torch.compiler.is_compiling() and _lower_under_compile and name in LOWERED_UNDER_COMPILE
+
+
+@contextlib.contextmanager
+def kernels_under_compile() -> Iterator[None]:
+    """Within the block, functions traced by ``torch.compile`` call every op's operator, Triton kernels included,
+    instead of lowering the row ops to Inductor (a function compiled inside the block recompiles outside it)."""
+    global _lower_under_compile
+    previous, _lower_under_compile = _lower_under_compile, False
+    try:
+        yield
+    finally:
+        _lower_under_compile = previous
 
 
 def dense_like(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -107,14 +188,16 @@ def define(
     argument_names = [p.name for p in arguments]
     in_place = dict(in_place or {})
 
-    default = _register(name, impl, arguments, allocators, written_over={}, mutates=mutates)
-    twin = None
+    default, eager_default = _register(name, impl, arguments, allocators, written_over={}, mutates=mutates)
+    twin = eager_twin = None
     if in_place:
         written_over = {output_names.index(out): argument_names.index(arg) for out, arg in in_place.items()}
-        twin = _register(f"{name}_", impl, arguments, allocators, written_over, mutates=(*mutates, *in_place.values()))
+        twin, eager_twin = _register(
+            f"{name}_", impl, arguments, allocators, written_over, mutates=(*mutates, *in_place.values())
+        )
     if backward is not None:
-        _register_autograd(name, default, setup_context, backward)
-    return Operator(name, default, twin)
+        eager_default = _register_autograd(name, default, eager_default, setup_context, backward)
+    return Operator(name, default, twin, eager_default, eager_twin)
 
 
 def _register(
@@ -124,9 +207,10 @@ def _register(
     allocators: tuple[Allocator, ...],
     written_over: dict[int, int],
     mutates: Sequence[str],
-) -> torch._ops.OpOverload:
+) -> tuple[torch._ops.OpOverload, Callable[..., object]]:
     """One operator: its schema, its kernel and its fake. ``written_over``: output index -> the index of the
-    argument that is its buffer; the other outputs are allocated and returned."""
+    argument that is its buffer; the other outputs are allocated and returned. Returns the operator and its Python
+    kernel (what an eager call runs without the dispatcher)."""
     returned = tuple(allocator for index, allocator in enumerate(allocators) if index not in written_over)
     prototype = _prototype(arguments)
     schema = torch.library.infer_schema(prototype, mutates_args=tuple(mutates))
@@ -162,7 +246,7 @@ def _register(
     qualified = f"liger_lab::{name}"
     _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(qualified, fake, lib=_LIBRARY)
-    return getattr(torch.ops.liger_lab, name).default
+    return getattr(torch.ops.liger_lab, name).default, kernel
 
 
 def _prototype(arguments: list[inspect.Parameter]) -> Callable[..., None]:
@@ -177,18 +261,27 @@ def _prototype(arguments: list[inspect.Parameter]) -> Callable[..., None]:
 def _register_autograd(
     name: str,
     op: torch._ops.OpOverload,
+    kernel: Callable[..., object],
     setup_context: Callable[..., None] | None,
     backward: Callable[..., object],
-) -> None:
+) -> Callable[..., object]:
     """The autograd kernel of ``op``: an ``autograd.Function`` built from the formula, entered only when a tensor
-    argument requires grad in grad mode (else straight below autograd)."""
+    argument requires grad in grad mode (else straight below autograd). Returns the same formula over ``kernel``,
+    the operator's Python kernel, for eager calls that skip the dispatcher."""
 
-    def forward(ctx, *args):
+    def below_autograd(*args: object) -> object:
         with _BELOW_AUTOGRAD():
-            output = op(*args)
-        if setup_context is not None:
-            setup_context(ctx, args, output)
-        return output
+            return op(*args)
+
+    def function_over(run: Callable[..., object], suffix: str) -> Callable[..., object]:
+        def forward(ctx, *args):
+            output = run(*args)
+            if setup_context is not None:
+                setup_context(ctx, args, output)
+            return output
+
+        members = {"forward": staticmethod(forward), "backward": staticmethod(backward_once)}
+        return type(f"{name}_{suffix}", (torch.autograd.Function,), members).apply
 
     def backward_once(ctx, *grads):
         if not torch.is_grad_enabled():
@@ -200,18 +293,21 @@ def _register_autograd(
             result = backward(ctx, *grads)
         return _refusing_second_derivative(name, result, sources)
 
-    function = type(f"{name}_autograd", (torch.autograd.Function,), {
-        "forward": staticmethod(forward), "backward": staticmethod(backward_once),
-    })  # fmt: skip
-    apply = function.apply
+    apply = function_over(below_autograd, "autograd")
+    eager_apply = function_over(kernel, "eager")
 
     def autograd_kernel(*args: object) -> object:
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
             return apply(*args)
-        with _BELOW_AUTOGRAD():
-            return op(*args)
+        return below_autograd(*args)
+
+    def eager(*args: object) -> object:
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return eager_apply(*args)
+        return kernel(*args)
 
     _LIBRARY.impl(name, autograd_kernel, "Autograd")
+    return eager
 
 
 class _NoSecondDerivative(torch.autograd.Function):

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_lab import runtime
+from liger_lab import reference, runtime
 from liger_lab.ops import operators
 from liger_lab.ops.common import (
     Rows,
@@ -319,7 +319,7 @@ def _backward(ctx, dy, _drstd):
     # Writing dx over dy saves a buffer, but only when nobody else reads dy (see rms_norm's docstring):
     # an opt-in, and only for a dense dy of x's dtype that the kernel can overwrite row by row.
     if ctx.in_place and dy.dtype == x.dtype and dy.is_contiguous():
-        return dy, RMS_NORM_BACKWARD.in_place(dy, x, weight, rstd, ctx.offset), None, None, None, None
+        return dy, RMS_NORM_BACKWARD.call_in_place(dy, x, weight, rstd, ctx.offset), None, None, None, None
     return *RMS_NORM_BACKWARD(dy, x, weight, rstd, ctx.offset), None, None, None, None
 
 
@@ -362,6 +362,8 @@ def rms_norm(
     """
     check_float("x", x)
     _check_arguments(x, weight, eps, casting_mode)
+    if operators.lowered("rms_norm"):
+        return reference.rms_norm(x, weight, eps, offset=offset, casting_mode=casting_mode)
     in_place = in_place_requested(in_place_backward, x)
     return row_op_in_layout(
         lambda rows: RMS_NORM(rows, weight, float(eps), float(offset), casting_mode, in_place)[0], x
@@ -458,5 +460,7 @@ def add_rms_norm(
     check_same_shape(x=x, residual=residual)
     check_same_dtype(x=x, residual=residual)
     _check_arguments(x, weight, eps, casting_mode)
+    if operators.lowered("add_rms_norm"):
+        return reference.add_rms_norm(x, residual, weight, eps, offset=offset, casting_mode=casting_mode)
     y, s, _ = ADD_RMS_NORM(x, residual, weight, float(eps), float(offset), casting_mode)
     return y, s
