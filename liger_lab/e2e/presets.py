@@ -77,6 +77,10 @@ MODEL_SIZES: dict[str, Preset] = {
     # end-to-end benchmark.
     "1.5b": Preset("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                                  num_key_value_heads=8, vocab_size=128256)),
+    # 125M parameters (8 layers; 49M of them in the untied embedding and output layer): DESIGN's "small"
+    # preset, a model whose eager training step waits on the host, where per-call host time decides tokens/s.
+    "small": Preset("llama", dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=12,
+                                  num_key_value_heads=12, vocab_size=32000)),
     # 8.0B parameters, Llama-3-8B's shape: the multi-GPU (FSDP2) benchmark.
     "8b": Preset("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                                num_key_value_heads=8, vocab_size=128256)),

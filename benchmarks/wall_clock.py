@@ -1,0 +1,228 @@
+"""The user's wall clock, eager and compiled, beside the peers, in one run (GPU).
+
+    python -m benchmarks.wall_clock ops --json benchmarks/results/h200-wall-clock-ops.jsonl
+    python -m benchmarks.wall_clock e2e --json benchmarks/results/h200-wall-clock-e2e.jsonl
+    python -m benchmarks.wall_clock lengths --json benchmarks/results/h200-wall-clock-e2e.jsonl
+
+``ops``: every row op of the table and the fused linear cross-entropy, at the protocol shape and at a host-bound
+shape (the ``small`` preset's widths, 4096 tokens), each implementation in this one process: ``liger_lab`` (the
+default call), Liger-Kernel and eager PyTorch of the reference formula, and the labelled variant
+``liger_lab:triton_launch`` (every launch through ``kernel[grid]``, as before launches skipped Triton's launch
+path). Per forward+backward call: the wall time of a loop of calls with one synchronisation at the end (what a user
+without CUDA graphs waits), the host's CPU time per call in that loop, and the GPU time (the profiler's kernel sum).
+
+``e2e``: training steps of the ``small`` preset (DESIGN's round-4 protocol: Llama-style, hidden 768, 8 layers, vocab
+32000, AdamW fused, bf16) at 4 x 1024 and 8 x 512 in every mode, each run in a fresh process: ms per step, tokens/s,
+peak memory over the timed steps, host CPU time per step (every thread of the process) and GPU time per step (the
+kernel sum of two profiled steps). ``lengths``: the compiled modes over 10 new sequence lengths (384..1536, batch 4, each
+length met twice, the second pass timed) with the graphs Dynamo compiled. Variants get labelled rows:
+``liger_lab+compile:kernels`` compiles every op as its operator (:func:`liger_lab.ops.operators.kernels_under_compile`),
+``:chunk=N`` sets the fused loss's chunk of tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import liger_lab  # noqa: F401  (first: it chooses the GPU or the interpreter before triton is imported)
+from liger_lab import bench, e2e, runtime
+from liger_lab.ops import operators
+from liger_lab.runtime import device
+
+HOST_BOUND_SHAPES = {
+    "rms_norm": (4096, 768),
+    "add_rms_norm": (4096, 768),
+    "layer_norm": (4096, 768),
+    "rope": (8, 12, 12, 512, 64),
+    "swiglu": (4096, 3072),
+    "geglu": (4096, 3072),
+    "cross_entropy": (4096, 32000),
+    "fused_linear_cross_entropy": (4096, 768, 32000),
+}
+"""A shape per op where the GPU's work is a few microseconds per kernel: the host's time decides the wall clock."""
+IMPLS = ("liger_lab", "liger", "eager")
+LENGTHS = tuple(range(384, 1537, 128))
+E2E_RUNS = (
+    *((mode, batch, seq, {}) for batch, seq in ((4, 1024), (8, 512)) for mode in e2e.MODES),
+    ("liger_lab+compile", 4, 1024, {"kernels": True}),
+    ("liger_lab", 4, 1024, {"chunk": 1024}),
+    ("liger_lab+compile", 4, 1024, {"chunk": 1024}),
+    ("liger_lab", 4, 1024, {"chunk": 4096}),
+)
+
+
+def _grads(result: object, leaves: list[torch.Tensor], upstream: list[torch.Tensor]) -> None:
+    outputs = [t for t in (result if isinstance(result, tuple) else (result,)) if t.requires_grad]
+    torch.autograd.grad(outputs, leaves, upstream[: len(outputs)])
+
+
+def time_calls(call: Callable[[], object], *, calls: int = 30, warmup: int = 5) -> tuple[float, float]:
+    """(wall ms, host CPU us) per call of a loop of ``calls`` calls with one synchronisation at the end."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        call()
+    cpu = time.process_time() - cpu
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / calls, cpu * 1e6 / calls
+
+
+def op_rows(names: list[str]) -> list[dict]:
+    rows = []
+    for name in names:
+        spec = bench.OPS[name]
+        for label, shape in (("protocol", spec.shape), ("host-bound", HOST_BOUND_SHAPES[name])):
+            impls = {impl: build for impl, build in spec.impls.items() if impl in IMPLS}
+            impls["liger_lab:triton_launch"] = impls["liger_lab"]
+            for impl, build in impls.items():
+                if spec.unavailable_reason(impl.split(":")[0]) is not None:
+                    continue
+                if impl == "torch_compile":
+                    torch.compiler.reset()
+                device._DIRECT_LAUNCHES = impl != "liger_lab:triton_launch"
+                try:
+                    fn = build()
+                    inputs = spec.make_inputs(shape, torch.bfloat16)
+                    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+                    first = fn(*inputs)
+                    outputs = [o for o in (first if isinstance(first, tuple) else (first,)) if o.requires_grad]
+                    upstream = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outputs]
+                    del first, outputs
+
+                    def call(fn=fn, inputs=inputs, leaves=leaves, upstream=upstream) -> None:
+                        _grads(fn(*inputs), leaves, upstream)
+
+                    wall_ms, host_us = time_calls(call)
+                    gpu_ms = runtime.measure_kernel_sum_ms(call, calls=3)
+                    row = {"op": name, "shape_kind": label, "shape": list(shape), "impl": impl,
+                           "wall_ms": round(wall_ms, 4), "host_us": round(host_us, 1),
+                           "gpu_ms": round(gpu_ms, 4)}  # fmt: skip
+                except Exception as error:  # one failing implementation must not hide the others' numbers
+                    row = {"op": name, "shape_kind": label, "shape": list(shape), "impl": impl,
+                           "error": f"{type(error).__name__}: {str(error)[:300]}"}  # fmt: skip
+                finally:
+                    device._DIRECT_LAUNCHES = True
+                    torch.cuda.empty_cache()
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def step_row(mode: str, batch: int, seq: int, *, chunk: int | None, kernels: bool, lengths: bool) -> dict:
+    """One training run of the small preset in ``mode`` (this process only: patching is global)."""
+    from torch._dynamo.utils import counters
+
+    config = e2e.model_config("small")
+    label = mode + (":kernels" if kernels else "") + (f":chunk={chunk}" if chunk else "")
+    row: dict = {"op": "e2e_lengths" if lengths else "e2e", "model": "small", "mode": label, "batch": batch}
+    with operators.kernels_under_compile() if kernels else contextlib.nullcontext():
+        model = e2e.build_model(config)
+        e2e.apply_mode(model, mode, loss_chunk_tokens=chunk)
+        optimizer = e2e.make_optimizer(model, 1e-4)
+        if lengths:
+            times = []
+            for length in LENGTHS + LENGTHS:
+                tokens = e2e.random_batch(config, batch, length, length)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                loss = e2e.train_step(model, optimizer, tokens)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            second = times[len(LENGTHS) :]
+            row.update(lengths=list(LENGTHS), first_pass_s=round(sum(times[: len(LENGTHS)]), 2),
+                       ms_per_step=round(1e3 * sum(second) / len(second), 2),
+                       graphs=counters["stats"]["unique_graphs"], loss_last=round(loss.item(), 4))  # fmt: skip
+            return row
+        tokens = e2e.random_batch(config, batch, seq, 0)
+        losses = [e2e.train_step(model, optimizer, tokens) for _ in range(3)]
+        torch.cuda.synchronize()
+        graphs = counters["stats"]["unique_graphs"]
+        e2e.reset_peak_memory()
+        steps = 20
+        start, cpu = time.perf_counter(), time.process_time()
+        losses += [e2e.train_step(model, optimizer, tokens) for _ in range(steps)]
+        cpu = time.process_time() - cpu
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        peak = e2e.peak_memory_gib()
+        gpu_ms = runtime.measure_kernel_sum_ms(lambda: e2e.train_step(model, optimizer, tokens), calls=2)
+    row.update(seq=seq, ms_per_step=round(1e3 * elapsed / steps, 2), tokens_per_s=round(batch * seq * steps / elapsed),
+               peak_gib=peak, host_ms_per_step=round(1e3 * cpu / steps, 2), gpu_ms_per_step=round(gpu_ms, 2),
+               graphs=graphs, timed_compiles=counters["stats"]["unique_graphs"] - graphs,
+               loss0=round(losses[0].item(), 4), loss_last=round(losses[-1].item(), 4))  # fmt: skip
+    return row
+
+
+def run_child(args: list[str], timeout_s: float = 300) -> dict:
+    command = [sys.executable, "-m", "benchmarks.wall_clock", "step", *args]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"args": args, "error": f"timed out after {timeout_s} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"args": args, "error": done.stderr[-600:]}
+
+
+def e2e_rows() -> list[dict]:
+    rows = []
+    for mode, batch, seq, options in E2E_RUNS:
+        if mode.startswith("liger+") or (mode == "liger" and not bench.liger_kernel_installed()):
+            continue
+        args = ["--mode", mode, "--batch", str(batch), "--seq", str(seq)]
+        args += ["--chunk", str(options["chunk"])] if "chunk" in options else []
+        args += ["--kernels"] if options.get("kernels") else []
+        rows.append(run_child(args))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def length_rows() -> list[dict]:
+    rows = []
+    for mode in ("hf+compile", "liger_lab+compile"):
+        rows.append(run_child(["--mode", mode, "--batch", "4", "--seq", "0", "--lengths"], timeout_s=400))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def environment() -> dict:
+    return {"op": "environment", **bench.environment(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=("ops", "e2e", "lengths", "step"))
+    parser.add_argument("--json", type=Path, help="append the rows here, one JSON object a line")
+    parser.add_argument("--ops", nargs="*", default=list(HOST_BOUND_SHAPES))
+    parser.add_argument("--mode", choices=e2e.MODES)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--chunk", type=int)
+    parser.add_argument("--kernels", action="store_true")
+    parser.add_argument("--lengths", action="store_true")
+    args = parser.parse_args(argv)
+    if runtime.INTERPRET:
+        raise SystemExit("wall_clock.py measures a GPU's wall clock: run it on a machine with CUDA")
+    if args.part == "step":
+        row = step_row(args.mode, args.batch, args.seq, chunk=args.chunk, kernels=args.kernels, lengths=args.lengths)
+        print(json.dumps(row), flush=True)
+        return
+    parts = {"ops": lambda: op_rows(args.ops), "e2e": e2e_rows, "lengths": length_rows}
+    rows = [environment(), *parts[args.part]()]
+    if args.json:
+        with args.json.open("a") as out:
+            out.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+if __name__ == "__main__":
+    main()
