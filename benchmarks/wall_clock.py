@@ -14,8 +14,8 @@ without CUDA graphs waits), the host's CPU time per call in that loop, and the G
 ``e2e``: training steps of the ``small`` preset (DESIGN's round-4 protocol: Llama-style, hidden 768, 8 layers, vocab
 32000, AdamW fused, bf16) at 4 x 1024 and 8 x 512 in every mode, each run in a fresh process: ms per step, tokens/s,
 peak memory over the timed steps, host CPU time per step (every thread of the process) and GPU time per step (the
-kernel sum of two profiled steps). ``lengths``: the compiled modes over 10 new sequence lengths (384..1536, batch 4, each
-length met twice, the second pass timed) with the graphs Dynamo compiled. Variants get labelled rows:
+kernel sum of two profiled steps). ``lengths``: the compiled modes over 10 new sequence lengths (384..1536, batch 4,
+each length met twice, the second pass timed) with the graphs Dynamo compiled. Variants get labelled rows:
 ``liger_lab+compile:kernels`` compiles every op as its operator (:func:`liger_lab.ops.operators.kernels_under_compile`),
 ``:chunk=N`` sets the fused loss's chunk of tokens.
 """
