@@ -42,7 +42,7 @@ def main(names: list[str]) -> None:
         fn, inputs = CASES[name]()
         leaves = [t for t in inputs if t.requires_grad]
 
-        def call() -> None:
+        def call(fn=fn, inputs=inputs, leaves=leaves) -> None:
             out = fn(*inputs)
             torch.autograd.grad(out, leaves, torch.ones_like(out))
 
