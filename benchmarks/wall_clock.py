@@ -15,7 +15,7 @@ without CUDA graphs waits), the host's CPU time per call in that loop, and the G
 32000, AdamW fused, bf16) at 4 x 1024 and 8 x 512 in every mode, each run in a fresh process: ms per step, tokens/s,
 peak memory over the timed steps, host CPU time per step (every thread of the process) and GPU time per step (the
 kernel sum of two profiled steps). ``lengths``: the compiled modes over 10 new sequence lengths (384..1536, batch 4,
-each length met twice, the second pass timed) with the graphs Dynamo compiled. Variants get labelled rows:
+each length met twice, the second pass timed) with the graphs Dynamo compiled. ``e2e --variants`` adds labelled rows:
 ``liger_lab+compile:kernels`` compiles every op as its operator (:func:`liger_lab.ops.operators.kernels_under_compile`),
 ``:chunk=N`` sets the fused loss's chunk of tokens.
 """
@@ -49,10 +49,11 @@ HOST_BOUND_SHAPES = {
     "fused_linear_cross_entropy": (4096, 768, 32000),
 }
 """A shape per op where the GPU's work is a few microseconds per kernel: the host's time decides the wall clock."""
+Report = Callable[[dict], None]
 IMPLS = ("liger_lab", "liger", "eager")
 LENGTHS = tuple(range(384, 1537, 128))
-E2E_RUNS = (
-    *((mode, batch, seq, {}) for batch, seq in ((4, 1024), (8, 512)) for mode in e2e.MODES),
+E2E_RUNS = tuple((mode, batch, seq, {}) for batch, seq in ((4, 1024), (8, 512)) for mode in e2e.MODES)
+VARIANT_RUNS = (
     ("liger_lab+compile", 4, 1024, {"kernels": True}),
     ("liger_lab", 4, 1024, {"chunk": 1024}),
     ("liger_lab+compile", 4, 1024, {"chunk": 1024}),
@@ -78,8 +79,7 @@ def time_calls(call: Callable[[], object], *, calls: int = 30, warmup: int = 5) 
     return (time.perf_counter() - start) * 1e3 / calls, cpu * 1e6 / calls
 
 
-def op_rows(names: list[str]) -> list[dict]:
-    rows = []
+def op_rows(names: list[str], report: Report) -> None:
     for name in names:
         spec = bench.OPS[name]
         for label, shape in (("protocol", spec.shape), ("host-bound", HOST_BOUND_SHAPES[name])):
@@ -114,9 +114,7 @@ def op_rows(names: list[str]) -> list[dict]:
                 finally:
                     device._DIRECT_LAUNCHES = True
                     torch.cuda.empty_cache()
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-    return rows
+                report(row)
 
 
 def step_row(mode: str, batch: int, seq: int, *, chunk: int | None, kernels: bool, lengths: bool) -> dict:
@@ -174,25 +172,19 @@ def run_child(args: list[str], timeout_s: float = 300) -> dict:
     return json.loads(lines[-1]) if lines else {"args": args, "error": done.stderr[-600:]}
 
 
-def e2e_rows() -> list[dict]:
-    rows = []
-    for mode, batch, seq, options in E2E_RUNS:
+def e2e_rows(report: Report, *, variants: bool = False) -> None:
+    for mode, batch, seq, options in E2E_RUNS + (VARIANT_RUNS if variants else ()):
         if mode.startswith("liger+") or (mode == "liger" and not bench.liger_kernel_installed()):
             continue
         args = ["--mode", mode, "--batch", str(batch), "--seq", str(seq)]
         args += ["--chunk", str(options["chunk"])] if "chunk" in options else []
         args += ["--kernels"] if options.get("kernels") else []
-        rows.append(run_child(args))
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+        report(run_child(args))
 
 
-def length_rows() -> list[dict]:
-    rows = []
-    for mode in ("hf+compile", "liger_lab+compile"):
-        rows.append(run_child(["--mode", mode, "--batch", "4", "--seq", "0", "--lengths"], timeout_s=400))
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+def length_rows(report: Report, modes: list[str]) -> None:
+    for mode in modes:
+        report(run_child(["--mode", mode, "--batch", "4", "--seq", "0", "--lengths"], timeout_s=400))
 
 
 def environment() -> dict:
@@ -210,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk", type=int)
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--lengths", action="store_true")
+    parser.add_argument("--variants", action="store_true", help="e2e: also the rows behind the defaults' choices")
+    parser.add_argument("--modes", nargs="*", default=["hf+compile", "liger_lab+compile"], help="lengths: the modes")
     args = parser.parse_args(argv)
     if runtime.INTERPRET:
         raise SystemExit("wall_clock.py measures a GPU's wall clock: run it on a machine with CUDA")
@@ -217,11 +211,20 @@ def main(argv: list[str] | None = None) -> None:
         row = step_row(args.mode, args.batch, args.seq, chunk=args.chunk, kernels=args.kernels, lengths=args.lengths)
         print(json.dumps(row), flush=True)
         return
-    parts = {"ops": lambda: op_rows(args.ops), "e2e": e2e_rows, "lengths": length_rows}
-    rows = [environment(), *parts[args.part]()]
-    if args.json:
-        with args.json.open("a") as out:
-            out.writelines(json.dumps(row) + "\n" for row in rows)
+
+    def report(row: dict) -> None:  # each row as it comes: a run cut short keeps what it measured
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with args.json.open("a") as out:
+                out.write(json.dumps(row) + "\n")
+
+    report(environment())
+    if args.part == "ops":
+        op_rows(args.ops, report)
+    elif args.part == "e2e":
+        e2e_rows(report, variants=args.variants)
+    else:
+        length_rows(report, args.modes)
 
 
 if __name__ == "__main__":

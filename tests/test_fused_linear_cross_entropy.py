@@ -363,3 +363,11 @@ def test_out_of_range_target_leaves_hidden_untouched(in_place):
     with pytest.raises(ValueError, match="out of range"):
         liger_lab.fused_linear_cross_entropy(h, weight, target, chunk_tokens=CHUNK, in_place_backward=in_place)
     assert torch.equal(h.detach(), before)
+
+
+def test_a_small_models_chunk_still_does_enough_work_to_hide_its_launches():
+    # The small preset's loss (4 x 1024 tokens, H = 768, V = 32000, bf16): two hidden states would be 192 tokens,
+    # 21 chunks a step whose launches cost the host more than their matmuls cost the GPU; the work floor gives
+    # ceil(160e9 / (6 H V)) = 1086 tokens -> 1024 (4 chunks).
+    assert flce_module.chunk_tokens_in_model(4096, 768, 32000, torch.bfloat16) == 1024
+    assert flce_module.chunk_tokens_in_model(512, 768, 32000, torch.bfloat16) == 512  # never above the tokens

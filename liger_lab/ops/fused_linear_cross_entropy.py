@@ -104,19 +104,31 @@ def chunk_tokens_for(
 
 
 MODEL_CHUNK_HIDDEN_STATES = 2
-"""In a patched model's loss, the chunk of logits holds at most this many hidden states' bytes (N x H each)."""
+"""In a patched model's loss, the chunk of logits holds at most this many hidden states' bytes (N x H each)..."""
+MODEL_CHUNK_MIN_FLOPS = 160 * 10**9
+"""...unless that leaves a chunk less matmul work than this (6 C H V FLOPs: about a quarter of a millisecond on an
+H200); then the chunk is the one that does this much, within :data:`CHUNK_BUDGET_BYTES`."""
 
 
 def chunk_tokens_in_model(n_tokens: int, hidden_size: int, vocab: int, dtype: torch.dtype) -> int:
     """Tokens per chunk for the loss of a patched model's training step: :func:`chunk_tokens_for` with the budget
-    also capped at :data:`MODEL_CHUNK_HIDDEN_STATES` hidden states.
+    also capped at :data:`MODEL_CHUNK_HIDDEN_STATES` hidden states, but never below the chunk that does
+    :data:`MODEL_CHUNK_MIN_FLOPS` of matmul work.
 
     The op's own budget is set for the op alone, where bigger chunks are faster. In a training step the loss's
     forward runs while every layer's activations are alive, so its chunk of logits lands on top of the step's
     largest allocation. Bounded by the hidden states, the chunk grows with the batch like the activations do
     (Liger-Kernel's rule gives between one and two hidden states). At 8 x 2048 tokens of a Qwen3-style model
-    (H = 2048, V = 151936, bf16) that is 384 tokens (111 MiB) instead of 768 (223 MiB)."""
-    budget = min(CHUNK_BUDGET_BYTES, MODEL_CHUNK_HIDDEN_STATES * n_tokens * hidden_size * dtype.itemsize)
+    (H = 2048, V = 151936, bf16) that is 384 tokens (111 MiB) instead of 768 (223 MiB).
+
+    Each chunk also costs the host a few launches (two matmuls and an addmm, the loss kernel), whatever its size. A
+    small model's chunk of two hidden states is a few microseconds of GPU work, so a step of many such chunks waits
+    on the host: at the ``small`` preset (H = 768, V = 32000, 4 x 1024 tokens) two hidden states are 192 tokens,
+    21 chunks a step, where the work floor gives 1024 tokens (64 MiB), 4 chunks. Large models keep the hidden-state
+    rule (the floor is 86 tokens of Qwen3's). The measurement is in benchmarks/notes/host_time.md."""
+    hidden_states = MODEL_CHUNK_HIDDEN_STATES * n_tokens * hidden_size * dtype.itemsize
+    working_chunk = -(-MODEL_CHUNK_MIN_FLOPS // (6 * hidden_size * vocab)) * vocab * dtype.itemsize
+    budget = min(CHUNK_BUDGET_BYTES, max(hidden_states, working_chunk))
     return chunk_tokens_for(n_tokens, vocab, dtype, budget)
 
 

@@ -230,13 +230,14 @@ _DIRECT_LAUNCHES = not INTERPRET and os.environ.get("LIGER_LAB_TRITON_LAUNCHER")
 
 
 def _specialization(value: object) -> object:
-    """What Triton specializes a (non-constexpr) kernel argument on, or finer."""
+    """What Triton specializes a (non-constexpr) kernel argument on, or finer: a tensor by dtype and 16-byte
+    alignment, an integer by whether it is 1, whether 16 divides it and its width, a float by its type."""
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, int):
-        return int, value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value < 2**63
+        return value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value < 2**63
     if isinstance(value, float):
         return float
     return value
@@ -256,9 +257,21 @@ def launch_key(kernel, device_index: int, args: tuple, kwargs: dict) -> tuple:
         known = _CONSTEXPRS[kernel] = flags, dict(zip(kernel.arg_names, flags, strict=True))
     positional, by_name = known
     key = [kernel, device_index, len(args)]
-    key += [value if constant else _specialization(value) for value, constant in zip(args, positional, strict=False)]
+    append = key.append
+    for value, constant in zip(args, positional, strict=False):
+        # The two common kinds inline (a launch has dozens of arguments; a call each would cost microseconds).
+        kind = type(value)
+        if constant:
+            append(value)
+        elif kind is torch.Tensor:
+            append((value.dtype, value.data_ptr() % 16 == 0))
+        elif kind is int:
+            append((value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value < 2**63))
+        else:
+            append(_specialization(value))
     for name, value in kwargs.items():
-        key += (name, _specialization(value) if by_name.get(name) is False else value)
+        append(name)
+        append(_specialization(value) if by_name.get(name) is False else value)
     return tuple(key)
 
 
