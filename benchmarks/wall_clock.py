@@ -188,7 +188,14 @@ def length_rows(report: Report, modes: list[str]) -> None:
 
 
 def environment() -> dict:
-    return {"op": "environment", **bench.environment(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    """Versions, the commit, the date and the GPU's clocks, as the first row of every run."""
+    import transformers
+
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
+    clocks = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,clocks.mem", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return {"op": "environment", **bench.environment(), "transformers": transformers.__version__, "commit": commit,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "clocks_sm_max_mem": clocks}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
