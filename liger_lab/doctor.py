@@ -24,8 +24,9 @@ tokens of the config's vocabulary, the same for both models. Five stages, each p
    batch each model trains without running out of memory.
 
 Each model trains ``steps`` steps: the first is a warm-up (AdamW creates its states, Triton compiles its kernels)
-and is not timed; tokens/s and the peaks by phase come from the others. Then each model takes one more step under
-the profiler and, on a GPU with a plot asked for, one more that records its memory timeline.
+and is not timed; tokens/s (of the median step, each timed alone), the host's CPU time per step and the peaks by
+phase come from the others. Then each model takes one more step under the profiler and, on a GPU with a plot
+asked for, one more that records its memory timeline.
 
 **How profiler time is put into categories.** Module hooks open a ``record_function`` range while a module runs,
 named by its class: ``...RMSNorm``/``LayerNorm`` -> norms, ``...MLP``/``...Experts`` -> activations,
@@ -61,6 +62,7 @@ import inspect
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import types
@@ -240,6 +242,7 @@ class TrainRun:
     step_ms: float
     peak_gib: float | None  # the largest phase peak: weights and optimizer states included; None on CPU
     phase_peak_gib: dict[str, float] | None
+    host_ms: float | None = None  # the host's CPU time per step (median), every thread of the process
 
     @property
     def peak_phase(self) -> str | None:
@@ -252,21 +255,30 @@ class TrainRun:
 
 
 def _train(label: str, model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, steps: int):
-    """Train ``steps`` steps; the first is untimed, the others give tokens/s and the peak of each phase."""
+    """Train ``steps`` steps; the first is untimed, the others give tokens/s and the peak of each phase.
+
+    Each timed step is timed on its own (the device synchronised after it) and the median counts: a step that
+    still warms something up (a cache, an allocator's first blocks, a late compile) moves a mean of a few steps
+    far more than their median. The host's CPU time per step (every thread: the autograd engine's too) is
+    measured beside it, for a model whose step waits on the host."""
     torch.manual_seed(SEED)
     losses = [_step(model, optimizer, tokens)]
     runtime.synchronize()
     e2e.reset_peak_memory()
     peaks: dict[str, int] = {}
-    start = time.perf_counter()
-    losses += [_step(model, optimizer, tokens, peaks) for _ in range(steps - 1)]
-    runtime.synchronize()
-    elapsed = time.perf_counter() - start
+    walls, hosts = [], []
+    for _ in range(steps - 1):
+        start, cpu = time.perf_counter(), time.process_time()
+        losses.append(_step(model, optimizer, tokens, peaks))
+        hosts.append(time.process_time() - cpu)
+        runtime.synchronize()
+        walls.append(time.perf_counter() - start)
+    step_s, host_s = statistics.median(walls), statistics.median(hosts)
     phase_peaks = {name: round(peaks[name] / e2e.GIB, 3) for name in PHASES if name in peaks} or None
     return TrainRun(
         label, [round(v, 5) for v in torch.stack(losses).float().tolist()],
-        round(tokens.numel() * (steps - 1) / elapsed, 1), round(elapsed * 1e3 / (steps - 1), 3),
-        max(phase_peaks.values()) if phase_peaks else None, phase_peaks,
+        round(tokens.numel() / step_s, 1), round(step_s * 1e3, 3),
+        max(phase_peaks.values()) if phase_peaks else None, phase_peaks, round(host_s * 1e3, 3),
     )  # fmt: skip
 
 
@@ -878,12 +890,15 @@ def format_training(
     fallbacks: Sequence[str],
     timer: str,
 ) -> str:
-    lines = [f"[4/{STAGES}] the patched training step [{timer}]",
-             f"  {'model':<11}{'tokens/s':>11}{'step ms':>10}{'peak GiB':>10}  loss per step"]  # fmt: skip
+    header = f"  {'model':<11}{'tokens/s':>11}{'step ms':>10}{'host ms':>10}{'peak GiB':>10}  loss per step"
+    lines = [f"[4/{STAGES}] the patched training step [{timer}]", header]
     for run in (unpatched, patched):
         peak = "n/a" if run.peak_gib is None else f"{run.peak_gib:.2f}"
+        host = "n/a" if run.host_ms is None else f"{run.host_ms:.1f}"
         losses_text = " ".join(f"{v:.5f}" for v in run.losses)
-        lines.append(f"  {run.label:<11}{run.tokens_per_s:>11,.1f}{run.step_ms:>10.1f}{peak:>10}  {losses_text}")
+        lines.append(
+            f"  {run.label:<11}{run.tokens_per_s:>11,.1f}{run.step_ms:>10.1f}{host:>10}{peak:>10}  {losses_text}"
+        )
     lines += ["  patched " + _phases(patched), "  " + e2e.format_comparison(losses)]
     lines.append(
         f"  one step of each under the profiler ({profile.wall_ms:.1f} and {patched_profile.wall_ms:.1f} ms), "
