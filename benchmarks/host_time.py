@@ -9,7 +9,8 @@ checks, allocations, the dispatcher, autograd, launch settings, Triton's launche
 as it would, on CPU tensors, and the outputs' values are garbage (never read: ``runtime.HOST_READS_WAIT`` is set as
 on the GPU, where no check reads a value back). Per op of the table at a tiny shape, the microseconds per call
 of the forward (inputs requiring grad, as in training) and of forward+backward (``torch.autograd.grad`` with a
-fixed upstream gradient), and per training step of a tiny Llama patched by ``liger_lab.patch``; beside each, plain
+fixed upstream gradient), and per training step of a tiny Llama patched by ``liger_lab.patch``, eager and compiled
+(``aot_eager``: Dynamo and AOTAutograd without code generation); beside each, plain
 PyTorch's eager op (``liger_lab.reference``, the unpatched model) on the same tensors, which computes for real:
 at these shapes that is mostly its own host time, a scale for ours. One thread, its CPU time, the best of many short
 rounds. What Triton's launcher costs is not in it (launches are skipped): on the GPU it adds its own share per
@@ -113,15 +114,19 @@ def measure() -> list[dict]:
                 ours_us = per_call_us(build(spec.function))
             rows.append({"op": name, "call": kind, "liger_lab_us": round(ours_us, 1), "torch_us": round(torch_us, 1)})
             print(f"{name:<28} {kind:<17} liger_lab {ours_us:8.1f} us   torch {torch_us:8.1f} us", flush=True)
-    model, input_ids = tiny_llama()
-    torch_us = per_call_us(training_step(model, input_ids), rounds=15, round_s=0.05)
-    patched = liger_lab.patch(copy.deepcopy(model))
-    with runtime.skip_launches():
-        ours_us = per_call_us(training_step(patched, input_ids), rounds=15, round_s=0.05)
-    liger_lab.unpatch(patched)
-    rows.append({"op": "llama (2 layers, patched)", "call": "training step", "liger_lab_us": round(ours_us, 1),
-                 "torch_us": round(torch_us, 1)})  # fmt: skip
-    print(f"llama training step: liger_lab {ours_us:.1f} us, transformers {torch_us:.1f} us")
+    for call, compile_backend in (("training step", None), ("training step, compiled (aot_eager)", "aot_eager")):
+        model, input_ids = tiny_llama()
+        patched = liger_lab.patch(copy.deepcopy(model))
+        if compile_backend is not None:
+            torch._dynamo.reset()
+            model, patched = (torch.compile(m, backend=compile_backend) for m in (model, patched))
+        torch_us = per_call_us(training_step(model, input_ids), rounds=15, round_s=0.05)
+        with runtime.skip_launches():
+            ours_us = per_call_us(training_step(patched, input_ids), rounds=15, round_s=0.05)
+        liger_lab.unpatch(patched)
+        rows.append({"op": "llama (2 layers, patched)", "call": call, "liger_lab_us": round(ours_us, 1),
+                     "torch_us": round(torch_us, 1)})  # fmt: skip
+        print(f"llama {call}: liger_lab {ours_us:.1f} us, transformers {torch_us:.1f} us", flush=True)
     return rows
 
 

@@ -1,8 +1,8 @@
 """The user's wall clock, eager and compiled, beside the peers, in one run (GPU).
 
-    python -m benchmarks.wall_clock ops --json benchmarks/results/h200-wall-clock-ops.jsonl
-    python -m benchmarks.wall_clock e2e --json benchmarks/results/h200-wall-clock-e2e.jsonl
-    python -m benchmarks.wall_clock lengths --json benchmarks/results/h200-wall-clock-e2e.jsonl
+    python -m benchmarks.wall_clock ops --json benchmarks/results/h200-wall-clock-ops.json
+    python -m benchmarks.wall_clock e2e --json benchmarks/results/h200-wall-clock-e2e.json
+    python -m benchmarks.wall_clock lengths --json benchmarks/results/h200-wall-clock-lengths.json
 
 ``ops``: every row op of the table and the fused linear cross-entropy, at the protocol shape and at a host-bound
 shape (the ``small`` preset's widths, 4096 tokens), each implementation in this one process: ``liger_lab`` (the
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ import liger_lab  # noqa: F401  (first: it chooses the GPU or the interpreter be
 from liger_lab import bench, e2e, runtime
 from liger_lab.ops import operators
 from liger_lab.runtime import device
+from liger_lab.workbook import results
 
 HOST_BOUND_SHAPES = {
     "rms_norm": (4096, 768),
@@ -123,7 +125,7 @@ def step_row(mode: str, batch: int, seq: int, *, chunk: int | None, kernels: boo
 
     config = e2e.model_config("small")
     label = mode + (":kernels" if kernels else "") + (f":chunk={chunk}" if chunk else "")
-    row: dict = {"op": "e2e_lengths" if lengths else "e2e", "model": "small", "mode": label, "batch": batch}
+    row: dict = {"op": "e2e_lengths" if lengths else "e2e", "model": "small", "impl": label, "batch": batch}
     with operators.kernels_under_compile() if kernels else contextlib.nullcontext():
         model = e2e.build_model(config)
         e2e.apply_mode(model, mode, loss_chunk_tokens=chunk)
@@ -188,20 +190,22 @@ def length_rows(report: Report, modes: list[str]) -> None:
 
 
 def environment() -> dict:
-    """Versions, the commit, the date and the GPU's clocks, as the first row of every run."""
+    """What every row carries: versions, the GPU's clocks, the date and the commit measured (``LIGER_LAB_COMMIT``
+    where the checkout is a copy without the repository's history, as on a lent GPU machine)."""
     import transformers
 
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
     clocks = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,clocks.mem", "--format=csv,noheader"],
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
-    return {"op": "environment", **bench.environment(), "transformers": transformers.__version__, "commit": commit,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "clocks_sm_max_mem": clocks}  # fmt: skip
+    commit = os.environ.get("LIGER_LAB_COMMIT") or results.commit()
+    return {**bench.environment(), "transformers": transformers.__version__, "clocks_sm_max_mem": clocks,
+            "timer": "synchronized_loop",
+            "time": time.strftime("%H:%M UTC", time.gmtime()), "commit": commit}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("part", choices=("ops", "e2e", "lengths", "step"))
-    parser.add_argument("--json", type=Path, help="append the rows here, one JSON object a line")
+    parser.add_argument("--json", type=Path, help="write the rows here (a JSON list, rewritten as each row comes)")
     parser.add_argument("--ops", nargs="*", default=list(HOST_BOUND_SHAPES))
     parser.add_argument("--mode", choices=e2e.MODES)
     parser.add_argument("--batch", type=int, default=4)
@@ -219,13 +223,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(row), flush=True)
         return
 
+    shared, rows = environment(), []
+
     def report(row: dict) -> None:  # each row as it comes: a run cut short keeps what it measured
+        rows.append({**row, "commit": shared["commit"]})
         print(json.dumps(row), flush=True)
         if args.json:
-            with args.json.open("a") as out:
-                out.write(json.dumps(row) + "\n")
+            results.write_rows(rows, args.json, environment=shared)
 
-    report(environment())
     if args.part == "ops":
         op_rows(args.ops, report)
     elif args.part == "e2e":

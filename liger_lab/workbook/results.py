@@ -37,6 +37,7 @@ TIMERS = {
     "profiler": "GPU time, kernel sum under torch.profiler",
     "do_bench": "CUDA events around each call (host time included)",
     "wall_clock": "wall clock of the interpreter",
+    "synchronized_loop": "wall clock of a loop of calls or steps, the GPU synchronised once at its end",
 }
 
 
