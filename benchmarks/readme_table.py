@@ -33,7 +33,7 @@ CLOCKS = {
     "do_bench": "`do_bench` (CUDA events around each call)",
     "profiler": "the kernel sum under `torch.profiler`, the wall time of a call in brackets",
 }
-MODE_LABELS = {"hf": "Hugging Face eager", "liger": "Liger-Kernel"}
+MODE_LABELS = {"hf": "Hugging Face eager", "liger": "Liger-Kernel", "hf+compile": "Hugging Face + torch.compile"}
 """How the end-to-end tables name a mode (the others by their own name)."""
 
 
@@ -162,6 +162,25 @@ def vocab_table(rows: list[dict], presets: Sequence[str], modes: Sequence[str], 
     return "\n".join(lines)
 
 
+def step_table(rows: list[dict], lengths: list[dict]) -> str:
+    """The small preset's training step per mode (``benchmarks/wall_clock.py``): per shape ms per step, tokens/s,
+    peak, host and GPU time per step; then the compiled modes over varying lengths."""
+    steps = [r for r in rows if r["op"] == "e2e"]
+    lines = ["| mode | batch x seq | ms/step | tokens/s | peak GiB | host ms/step | GPU ms/step |", "|---" * 7 + "|"]
+    for r in sorted(steps, key=lambda r: (-r["seq"], r["impl"].split(":")[0] not in MODE_ORDER, r["impl"])):
+        mode = MODE_LABELS.get(r["impl"], r["impl"])
+        lines.append(f"| {mode} | {r['batch']} x {r['seq']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['peak_gib']:.2f} | {r['host_ms_per_step']:.1f} | {r['gpu_ms_per_step']:.1f} |")  # fmt: skip
+    lines += ["", "| mode, 10 new lengths 384..1536, batch 4 | ms/step (second pass) | graphs | first pass s |",
+              "|---|---|---|---|"]  # fmt: skip
+    for r in lengths:
+        lines.append(f"| {r['impl']} | {r['ms_per_step']:.2f} | {r['graphs']} | {r['first_pass_s']:.1f} |")
+    return "\n".join(lines)
+
+
+MODE_ORDER = ("hf", "hf+compile", "liger", "liger_lab", "liger_lab+compile")
+
+
 @dataclass(frozen=True)
 class Table:
     """A generated table: where it lies (a file of the clone and the name of its markers) and how it is made."""
@@ -175,6 +194,7 @@ BENCH_OPS, BENCH_E2E = ("h200-ops-round6.json",), "h200-e2e-compile.json"
 LOSSES, LOSS_OPS = ("h200-ops-round2.json",), ("jsd", "fused_linear_jsd", "fused_linear_dpo", "fused_linear_orpo",
                                                  "fused_linear_simpo")  # fmt: skip
 VOCAB, NOTES_E2E = "h200-e2e-vocab.json", "h200-e2e.json"
+SMALL_STEP, SMALL_LENGTHS = "h200-wall-clock-e2e.json", "h200-wall-clock-lengths.json"
 TABLES = (
     Table("README.md", "bench", lambda: f"{ops_table(ops_rows(BENCH_OPS))}\n\n{raw_rows(BENCH_OPS)}\n\n"
           f"End to end (Llama-style 1.5B, AdamW, bf16):\n\n{e2e_table(results.load(BENCH_E2E))}"),
@@ -182,6 +202,9 @@ TABLES = (
     Table("README.md", "e2e-vocab", lambda: vocab_table(results.load(VOCAB), ("qwen3-1.5b", "gemma3-1.5b"),
                                                        ("hf", "liger", "liger_lab"))),
     Table("benchmarks/notes/end_to_end.md", "e2e", lambda: sizes_table(results.load(NOTES_E2E))),
+    Table("benchmarks/notes/host_time.md", "small-step", lambda: (
+        f"{step_table(results.load(SMALL_STEP), results.load(SMALL_LENGTHS))}\n\n{results.source(SMALL_STEP)}. "
+        f"{raw_rows((SMALL_STEP, SMALL_LENGTHS))}")),
     Table("benchmarks/notes/end_to_end.md", "e2e-vocab", lambda: vocab_table(
         results.load(VOCAB), ("gemma3-1.5b", "qwen3-1.5b"), ("liger", "liger_lab"), ratio_to="liger")),
 )  # fmt: skip
