@@ -174,8 +174,10 @@ def run_child(args: list[str], timeout_s: float = 300) -> dict:
     return json.loads(lines[-1]) if lines else {"args": args, "error": done.stderr[-600:]}
 
 
-def e2e_rows(report: Report, *, variants: bool = False) -> None:
+def e2e_rows(report: Report, *, variants: bool = False, sizes: list[str] | None = None) -> None:
     for mode, batch, seq, options in E2E_RUNS + (VARIANT_RUNS if variants else ()):
+        if sizes and f"{batch}x{seq}" not in sizes:
+            continue
         if mode.startswith("liger+") or (mode == "liger" and not bench.liger_kernel_installed()):
             continue
         args = ["--mode", mode, "--batch", str(batch), "--seq", str(seq)]
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--lengths", action="store_true")
     parser.add_argument("--variants", action="store_true", help="e2e: also the rows behind the defaults' choices")
+    parser.add_argument("--sizes", nargs="*", help="e2e: only these batch x seq sizes, e.g. 4x1024")
     parser.add_argument("--modes", nargs="*", default=["hf+compile", "liger_lab+compile"], help="lengths: the modes")
     args = parser.parse_args(argv)
     if runtime.INTERPRET:
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.part == "ops":
         op_rows(args.ops, report)
     elif args.part == "e2e":
-        e2e_rows(report, variants=args.variants)
+        e2e_rows(report, variants=args.variants, sizes=args.sizes)
     else:
         length_rows(report, args.modes)
 
