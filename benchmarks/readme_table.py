@@ -27,7 +27,8 @@ from liger_lab.workbook import results
 ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ["liger_lab", "liger", "liger:chunked", "torch_compile", "eager", "cce"]
 HEADERS = {"liger_lab": "liger_lab", "liger": "Liger-Kernel", "liger:chunked": "Liger-Kernel (chunked loss)",
-           "torch_compile": "torch.compile", "eager": "eager", "cce": "cut-cross-entropy"}  # fmt: skip
+           "torch_compile": "torch.compile", "eager": "eager", "cce": "cut-cross-entropy",
+           "liger_lab:triton_launch": "liger_lab, launches through Triton's launcher"}  # fmt: skip
 CLOCKS = {
     "cuda_graph": "CUDA-graph replay, the wall time of a call in brackets",
     "do_bench": "`do_bench` (CUDA events around each call)",
@@ -171,14 +172,32 @@ def step_table(rows: list[dict], lengths: list[dict]) -> str:
         mode = MODE_LABELS.get(r["impl"], r["impl"])
         lines.append(f"| {mode} | {r['batch']} x {r['seq']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['peak_gib']:.2f} | {r['host_ms_per_step']:.1f} | {r['gpu_ms_per_step']:.1f} |")  # fmt: skip
-    lines += ["", "| mode, 10 new lengths 384..1536, batch 4 | ms/step (second pass) | graphs | first pass s |",
-              "|---|---|---|---|"]  # fmt: skip
+    if lengths:
+        lines += ["", "| mode, 10 new lengths 384..1536, batch 4 | ms/step (second pass) | graphs | first pass s |",
+                  "|---|---|---|---|"]  # fmt: skip
     for r in lengths:
         lines.append(f"| {r['impl']} | {r['ms_per_step']:.2f} | {r['graphs']} | {r['first_pass_s']:.1f} |")
     return "\n".join(lines)
 
 
 MODE_ORDER = ("hf", "hf+compile", "liger", "liger_lab", "liger_lab+compile")
+WALL_IMPLS = ("liger_lab", "liger", "eager", "liger_lab:triton_launch")
+
+
+def op_wall_table(rows: list[dict]) -> str:
+    """Per op and shape (``benchmarks/wall_clock.py ops``): each implementation's wall time per forward+backward call
+    in a loop with one synchronisation, its host CPU time per call and its GPU time in brackets."""
+    header = " | ".join(HEADERS.get(impl, impl) for impl in WALL_IMPLS)
+    lines = [f"| op | shape | {header} |", "|---" * (2 + len(WALL_IMPLS)) + "|"]
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if "wall_ms" in r:
+            cells.setdefault((r["op"], r["shape_kind"], tuple(r["shape"])), {})[r["impl"]] = r
+    for (op, kind, shape), by_impl in cells.items():
+        values = [by_impl.get(impl) for impl in WALL_IMPLS]
+        text = [f"{v['wall_ms']:.3f} ({v['host_us'] / 1e3:.3f}, {v['gpu_ms']:.3f})" if v else "–" for v in values]
+        lines.append(f"| {op} | {kind} {'x'.join(map(str, shape))} | " + " | ".join(text) + " |")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -195,6 +214,7 @@ LOSSES, LOSS_OPS = ("h200-ops-round2.json",), ("jsd", "fused_linear_jsd", "fused
                                                  "fused_linear_simpo")  # fmt: skip
 VOCAB, NOTES_E2E = "h200-e2e-vocab.json", "h200-e2e.json"
 SMALL_STEP, SMALL_LENGTHS = "h200-wall-clock-e2e.json", "h200-wall-clock-lengths.json"
+SMALL_STEP_NOW, OP_WALL = "h200-wall-clock-e2e-2.json", "h200-wall-clock-ops.json"
 TABLES = (
     Table("README.md", "bench", lambda: f"{ops_table(ops_rows(BENCH_OPS))}\n\n{raw_rows(BENCH_OPS)}\n\n"
           f"End to end (Llama-style 1.5B, AdamW, bf16):\n\n{e2e_table(results.load(BENCH_E2E))}"),
@@ -205,6 +225,11 @@ TABLES = (
     Table("benchmarks/notes/host_time.md", "small-step", lambda: (
         f"{step_table(results.load(SMALL_STEP), results.load(SMALL_LENGTHS))}\n\n{results.source(SMALL_STEP)}. "
         f"{raw_rows((SMALL_STEP, SMALL_LENGTHS))}")),
+    Table("benchmarks/notes/host_time.md", "small-step-now", lambda: (
+        f"{step_table(results.load(SMALL_STEP_NOW), [])}\n\n{results.source(SMALL_STEP_NOW)}. "
+        f"{raw_rows((SMALL_STEP_NOW,))}")),
+    Table("benchmarks/notes/host_time.md", "op-wall", lambda: (
+        f"{op_wall_table(results.load(OP_WALL))}\n\n{results.source(OP_WALL)}. {raw_rows((OP_WALL,))}")),
     Table("benchmarks/notes/end_to_end.md", "e2e-vocab", lambda: vocab_table(
         results.load(VOCAB), ("gemma3-1.5b", "qwen3-1.5b"), ("liger", "liger_lab"), ratio_to="liger")),
 )  # fmt: skip
