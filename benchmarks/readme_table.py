@@ -192,7 +192,7 @@ def op_wall_table(rows: list[dict]) -> str:
     cells: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         if "wall_ms" in r:
-            cells.setdefault((r["op"], r["shape_kind"], tuple(r["shape"])), {})[r["impl"]] = r
+            cells.setdefault((r["of"], r["shape_kind"], tuple(r["shape"])), {})[r["impl"]] = r
     for (op, kind, shape), by_impl in cells.items():
         values = [by_impl.get(impl) for impl in WALL_IMPLS]
         text = [f"{v['wall_ms']:.3f} ({v['host_us'] / 1e3:.3f}, {v['gpu_ms']:.3f})" if v else "–" for v in values]

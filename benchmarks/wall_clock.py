@@ -107,11 +107,11 @@ def op_rows(names: list[str], report: Report) -> None:
 
                     wall_ms, host_us = time_calls(call)
                     gpu_ms = runtime.measure_kernel_sum_ms(call, calls=3)
-                    row = {"op": name, "shape_kind": label, "shape": list(shape), "impl": impl,
+                    row = {"op": "op_wall_clock", "of": name, "shape_kind": label, "shape": list(shape), "impl": impl,
                            "wall_ms": round(wall_ms, 4), "host_us": round(host_us, 1),
                            "gpu_ms": round(gpu_ms, 4)}  # fmt: skip
                 except Exception as error:  # one failing implementation must not hide the others' numbers
-                    row = {"op": name, "shape_kind": label, "shape": list(shape), "impl": impl,
+                    row = {"op": "op_wall_clock", "of": name, "shape_kind": label, "shape": list(shape), "impl": impl,
                            "error": f"{type(error).__name__}: {str(error)[:300]}"}  # fmt: skip
                 finally:
                     device._DIRECT_LAUNCHES = True
