@@ -7,6 +7,8 @@ get a reference that rounding does not blur.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -293,19 +295,61 @@ def fused_linear_simpo(
 # The RL head and the GRPO family (TRL 1.16's GRPOTrainer._compute_loss on one micro-batch).
 
 
+HEAD_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+"""The per-token outputs the RL head gives besides logp, as TRL's fused head names them."""
+
+
+def head_outputs(entropy: bool, outputs: Sequence[str]) -> tuple[str, ...]:
+    """The outputs a head call returns after logp, in order: "entropy" first when ``entropy``, then ``outputs`` in the
+    order given. Raises ValueError for a name that is not one of :data:`HEAD_OUTPUTS` or one asked for twice."""
+    if not isinstance(entropy, bool):
+        raise ValueError(f"entropy is {entropy!r}: expected True or False")
+    if isinstance(outputs, str) or not all(isinstance(name, str) for name in outputs):
+        raise ValueError(f"outputs is {outputs!r}: expected a tuple of names from {HEAD_OUTPUTS}")
+    names = (("entropy",) if entropy else ()) + tuple(outputs)
+    unknown = [name for name in names if name not in HEAD_OUTPUTS]
+    if unknown:
+        raise ValueError(f"outputs names {unknown[0]!r}: expected names from {HEAD_OUTPUTS}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"outputs {names} names one output twice (entropy=True already returns the entropy)")
+    return names
+
+
+def head_logits(logits: torch.Tensor, *, temperature: float = 1.0, softcap: float | None = None,
+                logit_scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """The head's z: ``softcap * tanh(logits * logit_scale / softcap) / temperature`` (without the tanh when
+    ``softcap`` is None), in fp32 (fp64 for fp64 input)."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature
+
+
 def logprobs(
     logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0, ignore_index: int = -100,
-    entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Per-token log_softmax(z)[target] and, with ``entropy``, -(softmax(z) * log_softmax(z)).sum(-1), for
-    z = logits / temperature; both 0 where target is ``ignore_index``. Math in fp32 (fp64 for fp64 input)."""
-    log_p = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).log_softmax(-1)
+    entropy: bool = False, outputs: Sequence[str] = (), softcap: float | None = None, logit_scale: float = 1.0,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:  # fmt: skip
+    """Per-token log_softmax(z)[target] for z = :func:`head_logits`, and the outputs :func:`head_outputs` names:
+    entropy -(softmax(z) * log_softmax(z)).sum(-1), log_sum_sq_probs log(sum softmax(z)**2), mean_logits z.mean(-1)
+    and is_top1 (the target is z's argmax, its first one: a tie with an earlier token does not count, as in TRL).
+    All 0 (False) where target is ``ignore_index``; mean_logits and is_top1 carry no gradient."""
+    names = head_outputs(entropy, outputs)
+    z = head_logits(logits, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
+    log_p = z.log_softmax(-1)
     keep = target != ignore_index
+    safe = torch.where(keep, target, 0)
     zero = log_p.new_zeros(())
-    logp = torch.where(keep, log_p.gather(-1, torch.where(keep, target, 0).unsqueeze(-1)).squeeze(-1), zero)
-    if not entropy:
-        return logp
-    return logp, torch.where(keep, -(log_p.exp() * log_p).sum(-1), zero)
+    logp = torch.where(keep, log_p.gather(-1, safe.unsqueeze(-1)).squeeze(-1), zero)
+    per_token = {
+        "entropy": lambda: -(log_p.exp() * log_p).sum(-1),
+        "log_sum_sq_probs": lambda: torch.logsumexp(2 * log_p, -1),
+        "mean_logits": lambda: z.detach().mean(-1),
+    }
+    extras = [
+        keep & (z.detach().argmax(-1) == safe) if name == "is_top1" else torch.where(keep, per_token[name](), zero)
+        for name in names
+    ]
+    return (logp, *extras) if names else logp
 
 
 def fused_linear_logprobs(
@@ -314,7 +358,7 @@ def fused_linear_logprobs(
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
     **options: object,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`logprobs` (its keyword ``options``) of ``hidden @ weight.T + bias``: the RL head."""
     return logprobs(F.linear(hidden, weight, bias), target, **options)
 

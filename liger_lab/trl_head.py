@@ -7,16 +7,13 @@ entropy and three statistics) from a chunked head that never holds the N x V log
 from those log-probs, and every such call goes through one function: ``trl.trainer.utils._ChunkedLogProbFunction``.
 
 :func:`patch_trl` puts liger_lab's RL head (:func:`liger_lab.fused_linear_logprobs`) in that function's place, so
-log-probs, entropy and the gradient of every loss built on them come from liger_lab's kernels. TRL looks the function
-up on each call, so the patch works whether the trainer was built before or after it. What stays TRL's, never
-silently:
-
-- the losses themselves (DPO's sigmoid, GRPO's clipping, KTO's KL estimate...): TRL's own code on our log-probs;
-- the statistics the RL head does not compute (``log_sum_sq_probs``, ``mean_logits``, ``is_top1``: SFT logs the
-  token accuracy, KTO the mean logit): TRL's kernel computes them beside ours, without gradient, one more head
-  matmul per call; a warning says so the first time;
-- a model whose logits are scaled or soft-capped before the softmax (``logit_scale``, ``final_logit_softcapping``:
-  Gemma 2, Cohere, Granite): TRL's head runs whole, with a warning.
+log-probs, every statistic TRL asks for (entropy, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``: SFT logs the
+token accuracy, KTO the mean logit) and the gradient of every loss built on them come from liger_lab's kernels, in
+one pass over the vocabulary, soft-capped and scaled logits included (``final_logit_softcapping``, ``logit_scale``:
+Gemma 2, Cohere, Granite). TRL's own head runs 0 times. TRL looks the function up on each call, so the patch works
+whether the trainer was built before or after it. What stays TRL's: the losses themselves (DPO's sigmoid, GRPO's
+clipping, KTO's KL estimate...), TRL's own code on our log-probs. As in TRL, ``log_sum_sq_probs``, ``mean_logits``
+and ``is_top1`` carry no gradient here.
 
 ``liger_lab.patch(model)`` patches the backbone (norms, RoPE, MLP) as usual; the two compose in either order.
 """
@@ -24,33 +21,25 @@ silently:
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from collections.abc import Sequence
 
 import torch
 
 from liger_lab.ops.logprobs import fused_linear_logprobs
-
-STATISTICS = ("log_sum_sq_probs", "mean_logits", "is_top1")
-"""TRL's optional per-token outputs that the RL head leaves to TRL's kernel."""
+from liger_lab.reference import HEAD_OUTPUTS
 
 
 class LigerLabHead:
     """Stands in for ``trl.kernels.ChunkedLogProbFunction``: the same ``apply`` call and the same five outputs
     (log-probs, entropy, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; None for those not asked for).
 
-    ``calls`` counts the calls liger_lab's head served; ``fallbacks`` counts those TRL's head served whole."""
+    ``calls`` counts the calls liger_lab's head served; ``fallbacks`` counts those TRL's head served whole (none
+    since the RL head computes every output and transform TRL's has; kept for callers that read it)."""
 
     def __init__(self, trl_function: type[torch.autograd.Function]) -> None:
         self.trl_function = trl_function
         self.calls = 0
         self.fallbacks = 0
-        self._warned: set[str] = set()
-
-    def _warn_once(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            warnings.warn(f"liger_lab.patch_trl: {message}", stacklevel=3)
 
     def apply(
         self,
@@ -62,41 +51,26 @@ class LigerLabHead:
         chunk_size: int,
         final_logit_softcapping: float | None = None,
         logit_scale: float = 1.0,
-        outputs: Sequence[str] = ("log_probs", "entropy", *STATISTICS),
+        outputs: Sequence[str] = ("log_probs", *HEAD_OUTPUTS),
     ) -> tuple[torch.Tensor | None, ...]:
-        trl_args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale)
-        if final_logit_softcapping is not None or logit_scale != 1.0:
-            self._warn_once(
-                "this model scales or soft-caps its logits (logit_scale, final_logit_softcapping), which liger_lab's "
-                "head does not: TRL's head computes its log-probs"
-            )
-            self.fallbacks += 1
-            return self.trl_function.apply(*trl_args, tuple(outputs))
         # TRL's head computes in the autocast dtype when autocast is on (and the weight is cast chunk by chunk); the
         # RL head takes one dtype for hidden and weight, so both are cast once, outside autocast.
         device_type = hidden.device.type
         autocast = torch.is_autocast_enabled(device_type)
         dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
+        wanted = tuple(name for name in HEAD_OUTPUTS if name in outputs)
         with torch.autocast(device_type, enabled=False):
             cast_bias = None if bias is None else bias.to(dtype)
-            with_entropy = "entropy" in outputs
             result = fused_linear_logprobs(
-                hidden.to(dtype), weight.to(dtype), targets, cast_bias, temperature=temperature, entropy=with_entropy
-            )
-        log_probs, entropy = result if with_entropy else (result, None)
-        statistics: list[torch.Tensor | None] = [None] * len(STATISTICS)
-        wanted = tuple(name for name in STATISTICS if name in outputs)
-        if wanted:
-            self._warn_once(
-                f"TRL's head computes {', '.join(wanted)} (no gradient) beside liger_lab's log-probs: one more head "
-                "matmul per call"
-            )
-            detached = (t if t is None else t.detach() for t in (hidden, weight, bias))
-            with torch.no_grad():
-                computed = self.trl_function.apply(*detached, *trl_args[3:], wanted)
-            statistics = list(computed[2:])
+                hidden.to(dtype), weight.to(dtype), targets, cast_bias, temperature=temperature, outputs=wanted,
+                softcap=final_logit_softcapping, logit_scale=logit_scale,
+            )  # fmt: skip
+        log_probs, *made = result if wanted else (result,)
+        by_name = dict(zip(wanted, made, strict=True))
+        if "log_sum_sq_probs" in by_name:  # a statistic in TRL: no gradient flows through it there
+            by_name["log_sum_sq_probs"] = by_name["log_sum_sq_probs"].detach()
         self.calls += 1
-        return log_probs, entropy, *statistics
+        return log_probs, *(by_name.get(name) for name in HEAD_OUTPUTS)
 
 
 def _trl_utils():

@@ -24,11 +24,13 @@ IDS = [f"{name}-{label}" for name, label in CASES]
 
 
 def _loss(outputs: object) -> torch.Tensor:
-    """A fixed, non-uniform weighting of every output element."""
+    """A fixed, non-uniform weighting of every output element (of the floating outputs: a flag such as the RL head's
+    is_top1 has no derivative)."""
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     return sum(
         (out * torch.linspace(-1, 2, out.numel(), dtype=out.dtype, device=out.device).view(out.shape)).sum()
         for out in outputs
+        if out.is_floating_point()
     )
 
 

@@ -401,8 +401,11 @@ OPS: dict[str, OpSpec] = {
             operators=("fused_linear_logprobs", "fused_linear_logprobs_backward"),
             # The upstream gradients are known only in the backward, which recomputes the logits: 8 N H V FLOPs.
             elements=lambda s: s[0] * s[2], flops=lambda s: 8.0 * s[0] * s[1] * s[2],
-            # The entropy as well (what TRL's fused head computes for GRPO): a labelled row of its own.
-            variants={"entropy": {"entropy": True}}, graph_timing=False,
+            # The entropy as well (what TRL's fused head computes for GRPO), and every output TRL's head has with a
+            # soft cap and a logit scale (what its SFT, DPO and KTO trainers ask of a Gemma 2): labelled rows.
+            variants={"entropy": {"entropy": True},
+                      "all_outputs": {"outputs": reference.HEAD_OUTPUTS, "softcap": 30.0, "logit_scale": 0.5}},
+            graph_timing=False,
             # TRL 1.16's fused LM head, the head its trainers run, for the same outputs.
             liger_modules={"trl": _trl_head(entropy=False), "trl:entropy": _trl_head(entropy=True)},
         ),
