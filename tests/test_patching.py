@@ -666,3 +666,37 @@ def test_lora_lm_head_fused_loss_peaks_lower_than_the_logits():
     assert relative_l2_error(our_loss, their_loss) < 2e-2
     assert ours < theirs / 2, (ours, theirs)
     liger_lab.unpatch(model)
+
+
+@pytest.mark.parametrize("by_type", [True, False])
+def test_a_patched_model_is_placed_by_accelerate_with_its_layers_whole(by_type):
+    """What ``from_pretrained(..., device_map="auto")`` does on a machine of several GPUs (and TRL's own loading):
+    accelerate's balanced-memory pass and device map keep every class of ``_no_split_modules`` on one device, found by
+    class name. The fused layers are named there too; before, a model built while its family was patched listed none
+    of its modules, and the balanced-memory pass failed ("max() iterable argument is empty"). Reproduced on CPU with a
+    max_memory that names two GPUs."""
+    accelerate_utils = pytest.importorskip("accelerate.utils")
+    if by_type:
+        liger_lab.patch("llama")
+    try:
+        model = tiny_model("llama")
+        model = model if by_type else liger_lab.patch(model)
+        assert type(model.model.layers[0]).__name__ == "FusedLlamaDecoderLayer"
+        no_split = sorted(model._no_split_modules)
+        assert "FusedLlamaDecoderLayer" in no_split, no_split
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        budget = {0: size // 2, 1: size // 2, "cpu": 10 * size}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # accelerate's word that the GPUs named are not here
+            memory = accelerate_utils.get_balanced_memory(model, max_memory=budget, no_split_module_classes=no_split)
+            device_map = accelerate_utils.infer_auto_device_map(
+                model, max_memory=memory, no_split_module_classes=no_split
+            )
+        layers = [name for name in device_map if name.startswith("model.layers.")]
+        assert layers and all(name.count(".") == 2 for name in layers), device_map  # whole layers, never their parts
+        assert len(set(device_map.values())) > 1, device_map  # split over devices, between layers
+    finally:
+        if by_type:
+            liger_lab.unpatch("llama")
+    liger_lab.unpatch(model)
+    assert "FusedLlamaDecoderLayer" not in model._no_split_modules

@@ -124,7 +124,8 @@ _FAMILY_PATCHES: dict[str, _FamilyPatch] = {}
 def _patch_family(model_type: str, options: _Options) -> None:
     family, modeling = _family(model_type), _modeling(model_type)
     record = _FAMILY_PATCHES[model_type] = _FamilyPatch()
-    replacements = [(modeling, name, piece.fused) for name, piece in _fused_classes(family, modeling, options).items()]
+    pieces = _fused_classes(family, modeling, options)
+    replacements = [(modeling, name, piece.fused) for name, piece in pieces.items()]
     if options.rope and family.rope:
         replacements.append((modeling, _ROPE_FUNCTION, _rope_dispatcher(family, modeling)))
     if options.loss:
@@ -132,6 +133,11 @@ def _patch_family(model_type: str, options: _Options) -> None:
             model_type, options.fused_linear_cross_entropy, options.cross_entropy, options.loss_chunk_tokens
         )
         replacements.append((_causal_lm(model_type), "forward", forward))
+    fused_names = {piece.original.__name__: piece.fused.__name__ for piece in pieces.values()}
+    for cls in vars(modeling).values():  # the model classes' _no_split_modules, which models built now start from
+        kept = isinstance(cls, type) and cls.__dict__.get("_no_split_modules")
+        if kept and any(name in fused_names for name in kept):
+            replacements.append((cls, "_no_split_modules", _with_fused_names(kept, fused_names)))
     for owner, name, replacement in replacements:
         _hold(owner, name, replacement, record)
         record.held.append((owner, name))
@@ -142,6 +148,16 @@ def _unpatch_family(model_type: str) -> None:
     record = _FAMILY_PATCHES.pop(model_type, None)
     for owner, name in record.held if record is not None else ():
         _release(owner, name, record)
+
+
+def _with_fused_names(no_split: object, fused_names: dict[str, str]) -> list[str] | set[str]:
+    """A model's ``_no_split_modules`` (the classes accelerate keeps on one device when it places a model:
+    ``from_pretrained(..., device_map="auto")``, TRL's own loading) with the fused class of each listed class beside it.
+    accelerate finds those modules by class name; a model whose layers are all ``FusedLlamaDecoderLayer`` while the
+    list names only ``LlamaDecoderLayer`` would have its layers split across devices, or fail to load
+    (``get_balanced_memory``: "max() iterable argument is empty")."""
+    added = [fused_names[name] for name in no_split if name in fused_names]
+    return {*no_split, *added} if isinstance(no_split, set) else [*no_split, *added]
 
 
 def _set_class(module: nn.Module, cls: type) -> None:
@@ -189,6 +205,11 @@ def _patch_model(model: nn.Module, options: _Options) -> None:
         _set_class(module, piece.fused)
         if name.rpartition(".")[2] in family.in_place_norms:
             module.in_place_backward = True
+    fused_names = {piece.original.__name__: piece.fused.__name__ for piece in pieces.values()}
+    for module in model.modules():  # each PreTrainedModel keeps its own set (transformers' post_init)
+        no_split = module.__dict__.get("_no_split_modules")
+        if no_split and any(name in fused_names for name in no_split):
+            module._no_split_modules = _with_fused_names(no_split, fused_names)
     if options.rope and family.rope:
         _hold(modeling, _ROPE_FUNCTION, _rope_dispatcher(family, modeling), model)
     causal_lm = _causal_lm(model_type)
@@ -206,6 +227,12 @@ def _unpatch_model(model: nn.Module) -> None:
     model_type = getattr(model.config, "model_type", None)
     _family(model_type)
     modeling = _modeling(model_type)
+    fused_names = {fused.__name__ for fused in _UNFUSED}
+    for module in model.modules():
+        no_split = module.__dict__.get("_no_split_modules")
+        if no_split and fused_names.intersection(no_split):
+            kept = [name for name in no_split if name not in fused_names]
+            module._no_split_modules = set(kept) if isinstance(no_split, set) else kept
     for module in model.modules():
         original = _UNFUSED.get(type(module))
         if original is not None:

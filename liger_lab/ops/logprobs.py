@@ -52,10 +52,10 @@ log-probabilities by advantages and add an entropy bonus. With respect to the he
 times d z_j / d raw_j = logit_scale (1 - tanh**2) / T (logit_scale / T without a cap). mean_logits and is_top1 carry
 no gradient (as in TRL). A second kernel writes that d loss / d raw over the chunk's recomputed logits, from the
 saved (m, log s), H and L. The gradient depends on g, k and q *inside* the sums over tokens of dW = dz^T h and
-db = sum dz, so nothing can be made before the upstream gradients exist: the forward is one matmul per chunk (the logits), the backward three (the logits again,
-dW, dh): 4 matmuls in all, 8 N H V FLOPs, as the fused cross-entropy's ``reduction="none"``. Ignored rows read
-nothing and get exact zeros. dW is summed over chunks as in :mod:`liger_lab.ops.fused_linear_cross_entropy`
-(``accumulation``).
+db = sum dz, so nothing can be made before the upstream gradients exist: the forward is one matmul per chunk (the
+logits), the backward three (the logits again, dW, dh): 4 matmuls in all, 8 N H V FLOPs, as the fused
+cross-entropy's ``reduction="none"``. Ignored rows read nothing and get exact zeros. dW is summed over chunks as in
+:mod:`liger_lab.ops.fused_linear_cross_entropy` (``accumulation``).
 
 **Memory.** One chunk of C x V logits (the fused cross-entropy's rule: :func:`liger_lab.ops.fused_linear_cross_entropy
 .chunk_rows`, whose budget benchmarks/notes/fused_linear_cross_entropy.md measures), the outputs and 8 bytes per token
