@@ -381,55 +381,31 @@ def fused_linear_grpo(
     ignore_index: int = -100,
     max_completion_length: int | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
+    importance_sampling_ratio: torch.Tensor | None = None,
+    **trl_options: object,
 ) -> torch.Tensor:
-    """TRL 1.16's ``GRPOTrainer._compute_loss`` (grpo, bnpo, dr_grpo, dapo, cispo; token or sequence importance
-    sampling; the delta clamp; the k3 KL term) on the plain logits of ``hidden @ weight.T / temperature``.
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` (every loss type: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo,
+    vespo; token or sequence importance sampling; the delta clamp; the k3 KL term and its bias correction; the vLLM
+    importance-sampling ratio; the off-policy mask; the high-entropy mask and the entropy bonus: ``trl_options``,
+    :class:`liger_lab.ops.grpo.TRLOptions`' fields) on the plain logits of ``hidden @ weight.T / temperature``: the
+    log-probabilities (and entropies) of :func:`fused_linear_logprobs`, then
+    :func:`liger_lab.ops.grpo.loss_from_logps`, TRL's text on them, which the tests hold against TRL's own method.
 
     hidden (B, T, H) at completion positions, target (B, T) the completion tokens with ``ignore_index`` at padding
     (TRL's completion_mask), advantages (B,) or (B, T), old_logps and ref_logps (B, T) or None: constants, like the
-    advantages. One difference from TRL's text, none in value: a masked product ``x * mask`` is written
-    ``where(mask, x, 0)``, equal wherever x is finite, so that padding positions (whose logp is 0 here) contribute 0
-    whatever old_logps and ref_logps hold there. The loss over no sequence at all is 0 (TRL's mean gives nan). The
-    options are checked, and epsilon_high defaulted, as the kernel's (:meth:`liger_lab.ops.grpo.GRPOOptions.checked`).
-    """
+    advantages. The options are checked, and epsilon_high defaulted, as the kernel's
+    (:meth:`liger_lab.ops.grpo.GRPOOptions.checked`, :meth:`liger_lab.ops.grpo.TRLOptions.checked`)."""
     o = grpo.GRPOOptions.checked(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
-    loss_type, beta, epsilon_low, epsilon_high, delta = o.loss_type, o.beta, o.epsilon_low, o.epsilon_high, o.delta
-    per_token_logps = fused_linear_logprobs(hidden, weight, target, temperature=temperature, ignore_index=ignore_index)
-    dtype = per_token_logps.dtype
-    keep = target != ignore_index
-    mask = keep.to(dtype)
-    masked = lambda x: torch.where(keep, x, torch.zeros((), dtype=dtype, device=x.device))  # noqa: E731
-    advantages = advantages.detach().to(dtype)
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    old = per_token_logps.detach() if old_logps is None else old_logps.detach().to(dtype)
-    log_ratio = per_token_logps - old
-    if o.level == "token":
-        log_importance_weights = log_ratio
-    else:
-        log_importance_weights = (masked(log_ratio).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_importance_weights)
-    if loss_type == "cispo":
-        per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * advantages * per_token_logps
-    else:
-        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-        if delta is not None:
-            coef_1 = torch.clamp(coef_1, max=delta)
-        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    if beta != 0.0:
-        ref = ref_logps.detach().to(dtype)
-        per_token_loss = per_token_loss + beta * (torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1)
-    per_token_loss = masked(per_token_loss)
-    if loss_type == "grpo":
-        per_sequence = per_token_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)
-        return per_sequence.sum() / max(per_sequence.shape[0], 1)
-    if loss_type == "bnpo":
-        return per_token_loss.sum() / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        length = target.shape[1] if max_completion_length is None else max_completion_length
-        return per_token_loss.sum() / max(per_token_loss.shape[0] * length, 1)
-    normalizer = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=mask.device)
-    return per_token_loss.sum() / normalizer.to(dtype).clamp(min=1.0)
+    t = grpo.TRLOptions.checked(**trl_options)
+    out = fused_linear_logprobs(
+        hidden, weight, target, temperature=temperature, ignore_index=ignore_index, entropy=t.needs_entropy
+    )
+    logps, entropies = out if t.needs_entropy else (out, None)
+    return grpo.loss_from_logps(
+        logps, target != ignore_index, advantages, o, t, entropies=entropies, old_logps=old_logps,
+        ref_logps=ref_logps if o.beta else None, importance_sampling_ratio=importance_sampling_ratio,
+        max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
+    )  # fmt: skip
 
 
 # KTO and CPO (TRL 1.16's KTOTrainer and trl.experimental.cpo.CPOTrainer on one micro-batch).

@@ -1,6 +1,7 @@
 """The GRPO family on the fused linear head, against the float64 reference (itself checked against TRL's own
 GRPOTrainer._compute_loss)."""
 
+import types
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -134,24 +135,40 @@ def test_padding_values_of_old_and_ref_do_not_matter():
 
 
 def _trl_loss(trainer_cls, logits, completion_ids, completion_mask, advantages, old, ref, *, loss_type, level, beta,
-              epsilon_low, epsilon_high, delta, max_completion_length, num_items):  # fmt: skip
-    logps = logits.log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+              epsilon_low, epsilon_high, delta, max_completion_length, num_items, importance_sampling_ratio=None,
+              use_bias_correction_kl=False, entropy_coef=0.0, top_entropy_quantile=1.0,
+              off_policy_mask_threshold=None, **args):  # fmt: skip
+    """TRL's own method on a stand-in trainer (eval mode, one process) given these logits; ``args``: GRPOConfig's
+    sapo_* and vespo_* fields."""
+    log_p = logits.log_softmax(-1)
+    logps = log_p.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    entropies = -(log_p.exp() * log_p).sum(-1)
+    config = {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0,
+              "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0, **args}  # fmt: skip
     trainer = SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None),
-        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level=level, beta=beta, loss_type=loss_type, epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, args=SimpleNamespace(delta=delta, use_bias_correction_kl=False), use_vllm=False,
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, entropies, None),
+        aux_loss_enabled=False, top_entropy_quantile=top_entropy_quantile,
+        off_policy_mask_threshold=off_policy_mask_threshold, importance_sampling_level=level, beta=beta,
+        loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+        args=SimpleNamespace(delta=delta, use_bias_correction_kl=use_bias_correction_kl, **config),
+        use_vllm=importance_sampling_ratio is not None, vllm_importance_sampling_correction=True,
         model=SimpleNamespace(training=False), current_gradient_accumulation_steps=1,
-        max_completion_length=max_completion_length, _entropy_bonus_enabled=False,
-        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x),
+        max_completion_length=max_completion_length, _entropy_bonus_enabled=entropy_coef != 0,
+        entropy_coef=entropy_coef, use_adaptive_entropy=False,
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x,
+                                    pad_across_processes=lambda x, dim, pad_index: x),
         _metrics=defaultdict(lambda: defaultdict(list)),
+        get_off_policy_mask=trainer_cls.get_off_policy_mask, get_gamma_weights=trainer_cls.get_gamma_weights,
     )  # fmt: skip
+    trainer.get_high_entropy_mask = types.MethodType(trainer_cls.get_high_entropy_mask, trainer)
     empty = completion_ids[:, :0]
     batch = {"prompt_ids": empty, "prompt_mask": empty, "completion_ids": completion_ids,
              "completion_mask": completion_mask, "advantages": advantages, "ref_per_token_logps": ref,
              "num_items_in_batch": num_items}  # fmt: skip
     if old is not None:
         batch["old_per_token_logps"] = old
+    if importance_sampling_ratio is not None:
+        batch["importance_sampling_ratio"] = importance_sampling_ratio
     return trainer_cls._compute_loss(trainer, None, batch)
 
 
@@ -187,6 +204,71 @@ def test_reference_matches_trl():
         for a, b in zip(torch.autograd.grad(ours, [hidden, weight]), torch.autograd.grad(trl, [hidden, weight]),
                         strict=True):  # fmt: skip
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, c=cases[i]: f"{c}: {m}")
+
+
+TRL_OPTION_CASES = [
+    ("sapo", "token", {}),
+    ("sapo", "sequence", {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5, "beta": 0.04}),
+    ("luspo", "sequence", {"delta": 1.5}),
+    ("luspo", "token", {"beta": 0.04, "use_bias_correction_kl": True}),
+    ("vespo", "token", {"importance_sampling_ratio": "tokens"}),
+    ("vespo", "sequence", {"vespo_k_pos": 1.5, "vespo_lambda_neg": 1.0}),
+    ("dapo", "token", {"importance_sampling_ratio": "tokens", "beta": 0.04, "use_bias_correction_kl": True}),
+    ("grpo", "sequence", {"importance_sampling_ratio": "sequences"}),
+    ("bnpo", "token", {"off_policy_mask_threshold": 0.05}),
+    ("dapo", "token", {"top_entropy_quantile": 0.3, "entropy_coef": 0.02}),
+    ("grpo", "token", {"entropy_coef": -0.01}),
+    ("cispo", "sequence", {"top_entropy_quantile": 0.5, "off_policy_mask_threshold": 0.0}),
+]
+
+
+@pytest.mark.parametrize("loss_type, level, options", TRL_OPTION_CASES)
+def test_every_option_of_trl_matches_trl_and_float64(loss_type, level, options):
+    """The loss math the fused loss does not serve (sapo, luspo, vespo; the KL's bias correction; the vLLM ratio; the
+    off-policy mask; the high-entropy mask; the entropy bonus) runs on the RL head and TRL's formula: the float64
+    reference against TRL's own GRPOTrainer._compute_loss, and the op against the reference, with gradients."""
+    trainer_cls = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
+    options = dict(options)
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(B, T, H, dtype=torch.float64, generator=generator).requires_grad_()
+    weight = torch.randn(V, H, dtype=torch.float64, generator=generator).requires_grad_()
+    ids = torch.randint(0, V, (B, T), generator=generator)
+    completion_mask = torch.ones(B, T, dtype=torch.int64)
+    completion_mask[0, 4:] = 0
+    completion_mask[1, 6:] = 0
+    target = ids.masked_fill(completion_mask == 0, -100)
+    with torch.no_grad():
+        logp = reference.fused_linear_logprobs(hidden, weight, target, temperature=0.8)
+    old = logp + 0.3 * torch.randn(B, T, dtype=torch.float64, generator=generator) + 0.02
+    ref = logp + 0.5 * torch.randn(B, T, dtype=torch.float64, generator=generator)
+    advantages = torch.randn(B, dtype=torch.float64, generator=generator)
+    ratio = options.pop("importance_sampling_ratio", None)
+    if ratio is not None:
+        shape = (B, T) if ratio == "tokens" else (B, 1)
+        options["importance_sampling_ratio"] = torch.rand(shape, dtype=torch.float64, generator=generator) + 0.5
+    base = dict(loss_type=loss_type, beta=options.pop("beta", 0.0), epsilon_low=0.2, epsilon_high=0.28,
+                delta=options.pop("delta", None), max_completion_length=9, num_items=torch.tensor(11.0))  # fmt: skip
+    trl = _trl_loss(trainer_cls, hidden @ weight.T / 0.8, ids, completion_mask, advantages, old, ref, level=level,
+                    **base, **options)  # fmt: skip
+    kwargs = dict(old_logps=old, ref_logps=ref, temperature=0.8, beta=base["beta"], epsilon_low=0.2, epsilon_high=0.28,
+                  delta=base["delta"], loss_type=loss_type, importance_sampling_level=level, max_completion_length=9,
+                  num_items_in_batch=base["num_items"], **options)  # fmt: skip
+    ours = reference.fused_linear_grpo(hidden, weight, target, advantages, **kwargs)
+    torch.testing.assert_close(ours, trl, rtol=1e-12, atol=1e-12)
+    exact_grads = torch.autograd.grad(ours, [hidden, weight])
+    for a, b in zip(exact_grads, torch.autograd.grad(trl, [hidden, weight]), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # The op, fp32, against the float64 reference: the loss and both gradients.
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    floats = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
+    loss = liger_lab.fused_linear_grpo(h32, w32, target, advantages.float(), **floats)
+    assert loss.dtype == torch.float32
+    # VESPO's weight is exp(lambda + k log w - lambda w) of a sequence's summed log-ratios: fp32's error in T of them
+    # comes out times (k - lambda w).
+    rtol = 1e-4 if loss_type == "vespo" else 1e-5
+    torch.testing.assert_close(loss.double(), ours.detach(), rtol=rtol, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(loss, [h32, w32]), exact_grads, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,7 +355,13 @@ def test_a_target_out_of_range_on_the_gpu_path_gives_nan_loss_and_gradients(leve
         (lambda a: {**a, "advantages": a["advantages"].long()}, "floating"),
         (lambda a: {**a, "old_logps": a["old_logps"][:, :-1]}, "old_logps has shape"),
         (lambda a: {**a, "ref_logps": a["ref_logps"][None]}, "ref_logps has shape"),
-        (lambda a: {**a, "loss_type": "sapo"}, "loss_type"),
+        (lambda a: {**a, "loss_type": "ppo"}, "loss_type"),
+        (lambda a: {**a, "top_entropy_quantile": 1.5}, "top_entropy_quantile"),
+        (lambda a: {**a, "old_logps": None, "off_policy_mask_threshold": 0.5}, "needs old_logps"),
+        (lambda a: {**a, "use_bias_correction_kl": 1}, "use_bias_correction_kl"),
+        (lambda a: {**a, "loss_type": "sapo", "sapo_temperature_pos": 0.0}, "sapo_temperature_pos"),
+        (lambda a: {**a, "entropy_coef": float("inf")}, "entropy_coef"),
+        (lambda a: {**a, "importance_sampling_ratio": torch.ones(3)}, "importance_sampling_ratio"),
         (lambda a: {**a, "importance_sampling_level": "batch"}, "importance_sampling_level"),
         (lambda a: {**a, "beta": 0.1, "ref_logps": None}, "ref_logps"),
         (lambda a: {**a, "beta": -0.1}, "beta"),
@@ -301,7 +389,12 @@ def test_bad_input_is_a_value_error(change, message):
 
 @pytest.mark.parametrize(
     "options, message",
-    [({"loss_type": "sapo"}, "loss_type"), ({"epsilon_low": -0.1}, "epsilon_low"), ({"delta": 0.0}, "delta")],
+    [
+        ({"loss_type": "ppo"}, "loss_type"),
+        ({"epsilon_low": -0.1}, "epsilon_low"),
+        ({"delta": 0.0}, "delta"),
+        ({"top_entropy_quantile": -0.1}, "top_entropy_quantile"),
+    ],
 )
 def test_the_reference_checks_its_options_as_the_kernel_does(options, message):
     """One check of the options for the kernel path and the float64 reference (GRPOOptions.checked)."""

@@ -1,4 +1,9 @@
-r"""The GRPO family (grpo, bnpo, dr_grpo, dapo, cispo) on ``hidden @ weight.T``, without the logits.
+r"""The GRPO family (grpo, bnpo, dr_grpo, dapo, cispo; sapo, luspo, vespo) on ``hidden @ weight.T``, without the logits.
+
+grpo, bnpo, dr_grpo, dapo and cispo, without TRL's newer options, are the fused loss below: its gradient is made in
+the forward (three matmuls). The newer loss types and options (sapo, luspo, vespo; the KL's bias correction, the
+vLLM importance-sampling ratio, the off-policy mask, the high-entropy mask, the entropy bonus) run on the RL head and
+:func:`loss_from_logps`, TRL's formula on its log-probabilities (four matmuls; :func:`fused_linear_grpo` says which).
 
 **The loss**, exactly TRL 1.16's ``GRPOTrainer._compute_loss`` on one micro-batch (gradient accumulation and the
 process count are the caller's). B completions of T positions: hidden (B, T, H), target (B, T) the completion
@@ -59,17 +64,21 @@ interpreter; on the GPU the RL head's kernel makes every logp NaN, and so the lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 import torch
 
 from liger_lab.ops import chunked
 from liger_lab.ops.cross_entropy import LossOptions, check_loss_options, check_target, check_target_tensor
 from liger_lab.ops.fused_linear_cross_entropy import chunk_rows
-from liger_lab.ops.logprobs import logprob_grad_rows, logprob_rows
+from liger_lab.ops.logprobs import fused_linear_logprobs, logprob_grad_rows, logprob_rows
 from liger_lab.ops.operators import define
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+"""The loss types whose gradient the fused loss makes in its forward (three matmuls)."""
+LOSS_TYPES = (*FUSED_LOSS_TYPES, "sapo", "luspo", "vespo")
+"""Every loss type of TRL 1.16's GRPO; the others run on the RL head and :func:`loss_from_logps` (four matmuls)."""
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 COMPLETIONS = "B completions of T tokens"
 
@@ -242,6 +251,167 @@ _LOSS = chunked.FusedLoss("fused_linear_grpo", FUSED_LINEAR_GRPO)
 # The public function.
 
 
+@dataclass(frozen=True)
+class TRLOptions:
+    """The options of TRL 1.16's GRPO that the fused loss does not serve: with any of them set (or a loss type
+    outside :data:`FUSED_LOSS_TYPES`), :func:`fused_linear_grpo` runs the RL head and :func:`loss_from_logps`.
+    Names and defaults are ``GRPOConfig``'s, except ``use_bias_correction_kl``, whose default the caller passes."""
+
+    use_bias_correction_kl: bool = False
+    entropy_coef: float = 0.0
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    @classmethod
+    def checked(cls, **options: object) -> TRLOptions:
+        """Validated (ValueError naming the option); an option not given takes its default."""
+        values: dict[str, object] = {}
+        for field in fields(cls):
+            value = options.get(field.name, field.default)
+            if field.name == "use_bias_correction_kl":
+                if not isinstance(value, bool):
+                    raise ValueError(f"use_bias_correction_kl is {value!r}: expected True or False")
+            elif value is not None or field.name != "off_policy_mask_threshold":
+                value = chunked.check_number(field.name, value)
+            values[field.name] = value
+        if not 0 <= values["top_entropy_quantile"] <= 1:
+            raise ValueError(f"top_entropy_quantile is {values['top_entropy_quantile']}: expected a number in [0, 1]")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if values[name] == 0:
+                raise ValueError(f"{name} is 0: expected a nonzero temperature")
+        return cls(**values)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the fused loss serves these options (each at its neutral value)."""
+        return self == TRLOptions(sapo_temperature_pos=self.sapo_temperature_pos,
+                                  sapo_temperature_neg=self.sapo_temperature_neg, vespo_k_pos=self.vespo_k_pos,
+                                  vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
+                                  vespo_lambda_neg=self.vespo_lambda_neg)  # fmt: skip
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_coef != 0 or self.top_entropy_quantile < 1
+
+
+def loss_from_logps(
+    logps: torch.Tensor,
+    keep: torch.Tensor,
+    advantages: torch.Tensor,
+    o: GRPOOptions,
+    t: TRLOptions,
+    *,
+    entropies: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    importance_sampling_ratio: torch.Tensor | None = None,
+    max_completion_length: int | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` on per-token log-probabilities (B, T), its text, for one micro-batch of
+    one process: every loss type and option (the KL's bias correction, the vLLM importance-sampling ratio, the
+    off-policy sequence mask against ``old_logps``, the high-entropy token mask and the entropy bonus with
+    ``entropies``). ``keep`` (B, T) bool is TRL's completion mask. A masked product ``x * mask`` is written
+    ``where(keep, x, 0)``, equal wherever x is finite, so that padding (logp 0 here) contributes 0 whatever the
+    constants hold there; the loss over no sequence is 0 (TRL's mean gives nan). Computes in ``logps``' dtype."""
+    dtype, device = logps.dtype, logps.device
+    zero = torch.zeros((), dtype=dtype, device=device)
+    mask = keep.to(dtype)
+
+    def masked(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep, x, zero)
+
+    advantages = advantages.detach().to(dtype)
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    old = logps.detach() if old_logps is None else old_logps.detach().to(dtype)
+    entropy_mask = None
+    if t.top_entropy_quantile < 1.0:
+        kept = entropies.detach()[keep]
+        if kept.numel() == 0:
+            entropy_mask = torch.zeros_like(keep)
+        else:
+            threshold = torch.quantile(kept.float(), 1 - t.top_entropy_quantile).to(dtype)
+            entropy_mask = (masked(entropies.detach()) >= threshold) & keep
+    if t.off_policy_mask_threshold is not None:
+        kl = torch.nan_to_num(old - logps.detach(), nan=0.0)
+        average = masked(kl).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        off_policy_mask = ((advantages >= 0) | (average <= t.off_policy_mask_threshold)).to(dtype)
+    log_ratio = logps - old
+    if o.level == "token":
+        log_weights = log_ratio
+    else:
+        log_weights = (masked(log_ratio).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_weights)
+    if o.beta != 0.0:
+        ref = ref_logps.detach().to(dtype)
+        per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if t.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+    if o.loss_type == "cispo":
+        per_token_loss = -torch.clamp(coef_1, max=o.epsilon_high).detach() * advantages * logps
+    elif o.loss_type == "sapo":
+        temperatures = torch.where(advantages > 0, t.sapo_temperature_pos, t.sapo_temperature_neg).to(dtype)
+        per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
+    elif o.loss_type == "vespo":
+        per_token_loss = -_gamma_weights(advantages, log_ratio.detach(), keep, importance_sampling_ratio, t) * (
+            advantages * logps
+        )
+    else:  # grpo, bnpo, dr_grpo, dapo, luspo: the clipped ratio
+        coef_2 = torch.clamp(coef_1, 1 - o.epsilon_low, 1 + o.epsilon_high)
+        if o.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=o.delta)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if t.off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * off_policy_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if importance_sampling_ratio is not None and o.loss_type != "vespo":
+        per_token_loss = per_token_loss * importance_sampling_ratio.detach().to(dtype)
+    if o.beta != 0.0:
+        per_token_loss = per_token_loss + o.beta * per_token_kl
+    per_token_loss = masked(per_token_loss.expand_as(logps))
+    if o.loss_type in ("grpo", "sapo"):
+        per_sequence = per_token_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)
+        loss = per_sequence.sum() / max(per_sequence.shape[0], 1)
+    elif o.loss_type == "bnpo":
+        loss = per_token_loss.sum() / mask.sum().clamp(min=1.0)
+    elif o.loss_type == "dr_grpo":
+        length = logps.shape[1] if max_completion_length is None else max_completion_length
+        loss = per_token_loss.sum() / max(per_token_loss.shape[0] * length, 1)
+    elif o.loss_type == "luspo":
+        loss = per_token_loss.sum(-1).sum() / max(per_token_loss.shape[0], 1)
+    else:  # dapo, cispo, vespo
+        normalizer = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=device)
+        loss = per_token_loss.sum() / normalizer.to(dtype).clamp(min=1.0)
+    if t.entropy_coef != 0:
+        effective = keep if entropy_mask is None else keep & entropy_mask
+        bonus = torch.where(effective, entropies, zero).sum() / effective.to(dtype).sum().clamp(min=1.0)
+        loss = loss - t.entropy_coef * bonus
+    return loss
+
+
+def _gamma_weights(advantages, log_ratio, keep, importance_sampling_ratio, t: TRLOptions) -> torch.Tensor:
+    """VESPO's weights phi(w) = e^lambda w^k e^(-lambda w) of the sequence's ratio w (TRL's ``get_gamma_weights``, in
+    log space, without gradient)."""
+    lower = math.log(1e-8)
+    zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+    sequence = torch.where(keep, torch.clamp(log_ratio, -20.0, 20.0), zero).sum(-1, keepdim=True)
+    if importance_sampling_ratio is not None:
+        ratio = importance_sampling_ratio.detach().to(log_ratio.dtype)
+        sequence = sequence + torch.clamp(torch.log(ratio), lower, 20.0).sum(-1, keepdim=True)
+    log_w = torch.clamp(sequence, lower, 20.0)
+    nonnegative = advantages >= 0
+    k = torch.where(nonnegative, t.vespo_k_pos, t.vespo_k_neg).to(log_ratio.dtype)
+    lam = torch.where(nonnegative, t.vespo_lambda_pos, t.vespo_lambda_neg).to(log_ratio.dtype).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def _check_num_items(num_items_in_batch) -> tuple[float | None, torch.Tensor | None]:
     """(a host number, a device tensor): TRL's num_items_in_batch either way, or (None, None)."""
     if num_items_in_batch is None:
@@ -270,6 +440,17 @@ def fused_linear_grpo(
     ignore_index: int = -100,
     max_completion_length: int | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
+    use_bias_correction_kl: bool = False,
+    importance_sampling_ratio: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    top_entropy_quantile: float = 1.0,
+    off_policy_mask_threshold: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     chunk_tokens: int | None = None,
     accumulation: str | None = None,
 ) -> torch.Tensor:
@@ -284,6 +465,18 @@ def fused_linear_grpo(
     dapo's and cispo's normalizer (a number or a one-element tensor; default the kept tokens), clamped at 1.
     The formulas are in the module docstring; padding positions contribute nothing whatever old_logps and
     ref_logps hold there, and a batch without sequences gives 0.
+
+    The rest of TRL 1.16's loss math, with ``GRPOConfig``'s names and defaults: ``loss_type`` "sapo"
+    (``sapo_temperature_pos``, ``sapo_temperature_neg``), "luspo" and "vespo" (``vespo_k_pos``,
+    ``vespo_lambda_pos``, ``vespo_k_neg``, ``vespo_lambda_neg``); ``use_bias_correction_kl`` (the KL term times the
+    importance weight; TRL's config defaults it to True, this function to False: pass the config's value);
+    ``importance_sampling_ratio`` (B, T) or (B, 1), the vLLM correction TRL multiplies into the per-token loss (into
+    VESPO's weights for vespo), computed by the caller as TRL does; ``off_policy_mask_threshold`` (drops a
+    sequence of negative advantage whose mean of old_logps - logp exceeds it; needs ``old_logps``, TRL's sampling
+    log-probs); ``top_entropy_quantile`` (the policy loss on the tokens of highest entropy only) and
+    ``entropy_coef`` (minus that times the mean entropy of those tokens). With any of them, the loss runs on the RL
+    head (:func:`liger_lab.fused_linear_logprobs`, with the entropy where needed) and :func:`loss_from_logps`,
+    TRL's formula on its log-probabilities: four matmuls instead of three, exactly TRL's values.
 
     Returns a float32 scalar. Gradients reach hidden and weight only (the rest are constants, as in TRL); they are
     made in the forward, so the graph can be backpropagated once. ``chunk_tokens`` and ``accumulation`` as in
@@ -308,6 +501,29 @@ def fused_linear_grpo(
         raise ValueError(f"max_completion_length is {max_completion_length!r}: expected None or a positive int")
     num_items_value, num_items = _check_num_items(num_items_in_batch)
     accumulation = chunked.check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
+    t = TRLOptions.checked(
+        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
+        top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=off_policy_mask_threshold,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
+        vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+    )  # fmt: skip
+    if importance_sampling_ratio is not None:
+        chunked.check_values("importance_sampling_ratio", importance_sampling_ratio, target.shape, COMPLETIONS,
+                             alternative=(target.shape[0], 1))  # fmt: skip
+    if t.off_policy_mask_threshold is not None and old_logps is None:
+        raise ValueError("off_policy_mask_threshold compares with the sampling policy: it needs old_logps")
+    if o.loss_type not in FUSED_LOSS_TYPES or not t.fused or importance_sampling_ratio is not None:
+        out = fused_linear_logprobs(
+            hidden, weight, target, temperature=temperature, ignore_index=ignore_index, entropy=t.needs_entropy,
+            chunk_tokens=chunk_tokens, accumulation=accumulation,
+        )  # fmt: skip
+        logps, entropies = out if t.needs_entropy else (out, None)
+        return loss_from_logps(
+            logps, target != ignore_index, advantages, o, t, entropies=entropies, old_logps=old_logps,
+            ref_logps=ref_logps if o.beta else None, importance_sampling_ratio=importance_sampling_ratio,
+            max_completion_length=max_completion_length,
+            num_items_in_batch=num_items if num_items is not None else num_items_value,
+        )  # fmt: skip
     needs = chunked.needed_grads(hidden, weight)
     constants = [None if t is None else t.detach() for t in (advantages, old_logps, ref_logps if o.beta else None)]
     arguments = (*o.arguments(), temperature, ignore_index, max_completion_length, num_items_value, chunk_tokens,
