@@ -431,9 +431,10 @@ def fused_linear_kto(
 ) -> torch.Tensor:
     """TRL 1.16's ``KTOTrainer`` loss, its text: hidden (B, T, H) completions, ``label`` (B,) nonzero for the
     desirable ones; the KL estimate ``kl`` as given, or (kl_logps - ref_kl_logps).mean().clamp(min=0), or 0; the
-    weighted per-completion losses concatenated (desirable first) and averaged (0 for no completion at all, where
-    TRL's nanmean is NaN). The reference's logps from its head without gradient, or ``ref_logps`` (B,). Options
-    checked, and the estimate taken, as the kernel's (:func:`liger_lab.ops.preference.kto_options`,
+    weighted per-completion losses concatenated (desirable first) and averaged as TRL 1.16 does, by ``nanmean`` (a
+    completion whose loss is NaN drops out; 0 for no completion at all, where TRL's nanmean is NaN). The
+    reference's logps from its head without gradient, or ``ref_logps`` (B,). Options checked, and the estimate
+    taken, as the kernel's (:func:`liger_lab.ops.preference.kto_options`,
     :func:`~liger_lab.ops.preference.kl_estimate`)."""
     o = preference.kto_options(beta, loss_type, desirable_weight, undesirable_weight)
     beta, desirable_weight, undesirable_weight = o.beta, o.desirable_weight, o.undesirable_weight
@@ -452,7 +453,7 @@ def fused_linear_kto(
         chosen_losses = 1 - torch.sigmoid(beta * chosen_logratios)
         rejected_losses = torch.sigmoid(beta * rejected_logratios)
     losses = torch.cat((desirable_weight * chosen_losses, undesirable_weight * rejected_losses), 0)
-    return losses.sum() / max(losses.shape[0], 1)
+    return losses.nanmean() if losses.numel() else losses.sum()
 
 
 def fused_linear_cpo(

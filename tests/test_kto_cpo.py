@@ -118,6 +118,31 @@ def test_kto_one_class_only_and_one_completion(flags):
     assert check_kto(kto_inputs(n=len(flags), label=labels(*flags)), kl=0.2, chunk_completions=2)
 
 
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_kto_drops_a_completion_whose_loss_is_nan_as_trls_nanmean_does(chunk):
+    """A completion whose reference log-probability is NaN: TRL 1.16 averages with nanmean, so the loss is the mean
+    of the others. Its gradients are the others' too, and that completion gets none (TRL's autograd, through the
+    NaN, would make every weight gradient NaN)."""
+    hidden, weight, target, label = kto_inputs()[:4]
+    ref_logps = randn(N) - 20
+    ref_logps[2] = float("nan")
+    leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    loss = liger_lab.fused_linear_kto(*leaves, target, label, ref_logps=ref_logps, kl=0.1, chunk_completions=chunk)
+    with torch.no_grad():
+        expected = reference.fused_linear_kto(hidden.double(), weight.double(), target, label,
+                                              ref_logps=ref_logps.double(), kl=0.1)  # fmt: skip
+    kept = [i for i in range(N) if i != 2]
+    exact = [hidden[kept].double().requires_grad_(), weight.double().requires_grad_()]
+    others = reference.fused_linear_kto(*exact, target[kept], label[kept], ref_logps=ref_logps[kept].double(), kl=0.1)
+    torch.testing.assert_close(expected, others.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss.double(), others.detach(), rtol=1e-5, atol=1e-6)
+    grad_hidden, grad_weight = torch.autograd.grad(loss, leaves)
+    exact_hidden, exact_weight = torch.autograd.grad(others, exact)
+    torch.testing.assert_close(grad_hidden[kept].double(), exact_hidden, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grad_weight.double(), exact_weight, rtol=1e-4, atol=1e-6)
+    assert torch.count_nonzero(grad_hidden[2]) == 0
+
+
 @pytest.mark.parametrize("beta", [0.0, 1e-4, 20.0])
 def test_kto_beta_edge_values(beta):
     # The loss depends on beta * logp: its relative error grows with beta times the fp32 error of a logp.

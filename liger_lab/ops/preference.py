@@ -419,6 +419,8 @@ def _forward(
         s = Scores(logp, n[first:last], None if ref is None else ref[first:last],
                    None if desirable is None else desirable[first:last], kl)  # fmt: skip
         value, d_logp = unit_loss(s, o)
+        if o.loss == "kto":  # TRL's nanmean: a completion whose loss is NaN drops out, its gradient too
+            d_logp = torch.where(value.isnan().view(-1, 1), 0.0, d_logp)
         if nll_positions is not None:
             value = value - nll_scale * nll_logp
             if nll_mask is None:  # the NLL's positions are the chosen sequence's own: one scale per sequence
@@ -461,13 +463,20 @@ def _forward(
     if grad_rows is not None and not same_order:
         in_unit_order = grad_rows.view(n_units, group, seq_len, width).transpose(0, 1)
         caller_rows.view(group, n_units, seq_len, width).copy_(in_unit_order)
-    torch.mul((terms.sum() / max(n_units, 1)).to(torch.float32), valid, out=total)
+    if o.loss == "kto" and n_units:
+        # The mean over the completions whose loss is a number (NaN when none is, as TRL's nanmean); the gradients
+        # were made with 1 / U and owe U / counted, counted on the device.
+        counted = (~terms.isnan()).sum(dtype=torch.float64)
+        torch.mul((terms.nansum() / counted).to(torch.float32), valid, out=total)
+        torch.mul(valid, (n_units / counted.clamp(min=1)).to(torch.float32), out=owed)
+    else:
+        torch.mul((terms.sum() / max(n_units, 1)).to(torch.float32), valid, out=total)
+        owed.copy_(valid)
     if averages(o):
         scores = scores / n.clamp(min=1)
     sequence_scores.copy_(scores.t().reshape(-1))
     if ref_sequences is not None:
         reference_scores.copy_(ref_sequences)
-    owed.copy_(valid)
 
 
 def _reference_scores(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ref_hidden, ref_weight,
@@ -848,8 +857,9 @@ def fused_linear_kto(
     The reference is ``ref_hidden`` (B, T, H_ref) @ ``ref_weight.T`` (V, H_ref), a frozen model whose logits are
     never held beyond a chunk, or ``ref_logps`` (B,), its log-probability of each completion (TRL's
     ``precompute_ref_log_probs``): exactly one. The reference, the labels and the KL terms get no gradient.
-    Returns a float32 scalar (0 for B = 0, where TRL's mean of nothing is NaN); gradients reach ``hidden`` and
-    ``weight``. With ``return_logps=True``: ``(loss, logps, ref_logps)``, each (B,) float32 in the rows' order (the
+    The mean is TRL 1.16's ``nanmean``: a completion whose loss is NaN (a NaN reference log-probability, say)
+    drops out of the mean and of the gradients' scale, and gets no gradient. Returns a float32 scalar (0 for B = 0,
+    where TRL's mean of nothing is NaN); gradients reach ``hidden`` and ``weight``. With ``return_logps=True``: ``(loss, logps, ref_logps)``, each (B,) float32 in the rows' order (the
     summed log-probabilities: TRL's ``logps/chosen`` and ``logps/rejected`` are their means over the desirable and
     the undesirable rows, its rewards beta * (logps - ref_logps)); they are metrics, not differentiable.
 
