@@ -859,7 +859,8 @@ def fused_linear_kto(
     ``precompute_ref_log_probs``): exactly one. The reference, the labels and the KL terms get no gradient.
     The mean is TRL 1.16's ``nanmean``: a completion whose loss is NaN (a NaN reference log-probability, say)
     drops out of the mean and of the gradients' scale, and gets no gradient. Returns a float32 scalar (0 for B = 0,
-    where TRL's mean of nothing is NaN); gradients reach ``hidden`` and ``weight``. With ``return_logps=True``: ``(loss, logps, ref_logps)``, each (B,) float32 in the rows' order (the
+    where TRL's mean of nothing is NaN); gradients reach ``hidden`` and ``weight``. With ``return_logps=True``:
+    ``(loss, logps, ref_logps)``, each (B,) float32 in the rows' order (the
     summed log-probabilities: TRL's ``logps/chosen`` and ``logps/rejected`` are their means over the desirable and
     the undesirable rows, its rewards beta * (logps - ref_logps)); they are metrics, not differentiable.
 
