@@ -356,6 +356,8 @@ def test_a_target_out_of_range_on_the_gpu_path_gives_nan_loss_and_gradients(leve
         (lambda a: {**a, "old_logps": a["old_logps"][:, :-1]}, "old_logps has shape"),
         (lambda a: {**a, "ref_logps": a["ref_logps"][None]}, "ref_logps has shape"),
         (lambda a: {**a, "loss_type": "ppo"}, "loss_type"),
+        (lambda a: {**a, "advantages": a["advantages"].clone().requires_grad_()}, "advantages requires grad"),
+        (lambda a: {**a, "old_logps": a["old_logps"].clone().requires_grad_()}, "old_logps requires grad"),
         (lambda a: {**a, "top_entropy_quantile": 1.5}, "top_entropy_quantile"),
         (lambda a: {**a, "old_logps": None, "off_policy_mask_threshold": 0.5}, "needs old_logps"),
         (lambda a: {**a, "use_bias_correction_kl": 1}, "use_bias_correction_kl"),
@@ -429,3 +431,13 @@ def test_bf16_large_vocabulary(loss_type, level):
     advantages = randn(4)
     assert check(hidden, weight, target, advantages, old_logps=old, loss_type=loss_type,
                  importance_sampling_level=level, epsilon_high=3.0 if loss_type == "cispo" else 0.28)  # fmt: skip
+
+
+def test_torch_func_transforms_are_refused_naming_the_loss():
+    hidden, weight, target, advantages, old, _ = inputs()
+
+    def loss(h):
+        return liger_lab.fused_linear_grpo(h, weight, target, advantages, old_logps=old)
+
+    with pytest.raises(RuntimeError, match=r"liger_lab\.fused_linear_grpo does not run under torch\.func"):
+        torch.func.grad(loss)(hidden)

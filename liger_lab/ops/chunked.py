@@ -507,7 +507,14 @@ def run_loss(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``loss``'s operator on ``(*tensors, *arguments)`` (``arguments`` ending with ``needs``): the loss, or the loss
     and its metrics. Under :class:`GradsMadeInForward` when a gradient is needed (``in_place``: its twin, dh over
-    hidden); otherwise the operator alone, which makes no gradient."""
+    hidden); otherwise the operator alone, which makes no gradient. Under a ``torch.func`` transform it raises,
+    naming the loss: its gradient is made by Triton kernels in its forward, which functorch cannot transform."""
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            f"liger_lab.{loss.name} does not run under torch.func transforms (grad, vjp, vmap, jacrev): its gradient "
+            "is made in its forward by Triton kernels, which functorch cannot transform. Use torch.autograd.grad or "
+            f"loss.backward(), or the plain PyTorch loss liger_lab.reference.{loss.name}."
+        )
     if any(arguments[-1]):
         return GradsMadeInForward.apply(loss, in_place, tuple(arguments), *tensors)
     outputs = loss.operator(*tensors, *arguments)

@@ -65,7 +65,7 @@ interpreter; on the GPU the RL head's kernel makes every logp NaN, and so the lo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -269,31 +269,32 @@ class TRLOptions:
     vespo_lambda_neg: float = 2.0
 
     @classmethod
-    def checked(cls, **options: object) -> TRLOptions:
-        """Validated (ValueError naming the option); an option not given takes its default."""
-        values: dict[str, object] = {}
-        for field in fields(cls):
-            value = options.get(field.name, field.default)
-            if field.name == "use_bias_correction_kl":
-                if not isinstance(value, bool):
-                    raise ValueError(f"use_bias_correction_kl is {value!r}: expected True or False")
-            elif value is not None or field.name != "off_policy_mask_threshold":
-                value = chunked.check_number(field.name, value)
-            values[field.name] = value
-        if not 0 <= values["top_entropy_quantile"] <= 1:
-            raise ValueError(f"top_entropy_quantile is {values['top_entropy_quantile']}: expected a number in [0, 1]")
+    def checked(
+        cls, *, use_bias_correction_kl: bool = False, off_policy_mask_threshold: float | None = None,
+        **numbers: float,
+    ) -> TRLOptions:  # fmt: skip
+        """Validated (ValueError naming the option); an option not given takes its default. (No ``dataclasses``
+        introspection here: torch.compile traces this.)"""
+        if not isinstance(use_bias_correction_kl, bool):
+            raise ValueError(f"use_bias_correction_kl is {use_bias_correction_kl!r}: expected True or False")
+        checked = {name: chunked.check_number(name, value) for name, value in numbers.items()}
+        if not 0 <= checked.get("top_entropy_quantile", 1.0) <= 1:
+            raise ValueError(f"top_entropy_quantile is {checked['top_entropy_quantile']}: expected a number in [0, 1]")
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            if values[name] == 0:
+            if checked.get(name) == 0:
                 raise ValueError(f"{name} is 0: expected a nonzero temperature")
-        return cls(**values)
+        if off_policy_mask_threshold is not None:
+            off_policy_mask_threshold = chunked.check_number("off_policy_mask_threshold", off_policy_mask_threshold)
+        return cls(use_bias_correction_kl=use_bias_correction_kl, off_policy_mask_threshold=off_policy_mask_threshold,
+                   **checked)  # fmt: skip
 
     @property
     def fused(self) -> bool:
         """Whether the fused loss serves these options (each at its neutral value)."""
-        return self == TRLOptions(sapo_temperature_pos=self.sapo_temperature_pos,
-                                  sapo_temperature_neg=self.sapo_temperature_neg, vespo_k_pos=self.vespo_k_pos,
-                                  vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
-                                  vespo_lambda_neg=self.vespo_lambda_neg)  # fmt: skip
+        return (
+            not self.use_bias_correction_kl and self.entropy_coef == 0 and self.top_entropy_quantile == 1
+            and self.off_policy_mask_threshold is None
+        )  # fmt: skip
 
     @property
     def needs_entropy(self) -> bool:
@@ -510,6 +511,14 @@ def fused_linear_grpo(
     if importance_sampling_ratio is not None:
         chunked.check_values("importance_sampling_ratio", importance_sampling_ratio, target.shape, COMPLETIONS,
                              alternative=(target.shape[0], 1))  # fmt: skip
+    constants = (("advantages", advantages), ("old_logps", old_logps), ("ref_logps", ref_logps),
+                 ("importance_sampling_ratio", importance_sampling_ratio))  # fmt: skip
+    for name, value in constants:
+        if value is not None and value.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{name} requires grad, but it is a constant of the loss (as in TRL, no gradient flows to it): pass "
+                f"{name}.detach()"
+            )
     if t.off_policy_mask_threshold is not None and old_logps is None:
         raise ValueError("off_policy_mask_threshold compares with the sampling policy: it needs old_logps")
     if o.loss_type not in FUSED_LOSS_TYPES or not t.fused or importance_sampling_ratio is not None:
