@@ -172,9 +172,9 @@ def _trl_loss(trainer_cls, logits, completion_ids, completion_mask, advantages, 
     return trainer_cls._compute_loss(trainer, None, batch)
 
 
-def test_reference_matches_trl():
-    trainer_cls = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
-    generator = torch.Generator().manual_seed(3)
+def _trl_batch(generator, *, old_shift):
+    """float64 hidden and weight (leaves), completion ids with TRL's completion mask (two ragged completions), the
+    targets (-100 at padding), and old and reference log-probabilities near the policy's at temperature 0.8."""
     hidden = torch.randn(B, T, H, dtype=torch.float64, generator=generator).requires_grad_()
     weight = torch.randn(V, H, dtype=torch.float64, generator=generator).requires_grad_()
     ids = torch.randint(0, V, (B, T), generator=generator)
@@ -184,8 +184,15 @@ def test_reference_matches_trl():
     target = ids.masked_fill(completion_mask == 0, -100)
     with torch.no_grad():
         logp = reference.fused_linear_logprobs(hidden, weight, target, temperature=0.8)
-    old = logp + 0.3 * torch.randn(B, T, dtype=torch.float64, generator=generator) + 0.2
+    old = logp + 0.3 * torch.randn(B, T, dtype=torch.float64, generator=generator) + old_shift
     ref = logp + 0.5 * torch.randn(B, T, dtype=torch.float64, generator=generator)
+    return hidden, weight, ids, completion_mask, target, old, ref
+
+
+def test_reference_matches_trl():
+    trainer_cls = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
+    generator = torch.Generator().manual_seed(3)
+    hidden, weight, ids, completion_mask, target, old, ref = _trl_batch(generator, old_shift=0.2)
     cases = [(loss_type, level, with_old) for loss_type in LOSS_TYPES for level in LEVELS for with_old in (0, 1)]
     for i, (loss_type, level, with_old) in enumerate(cases):
         advantages = torch.randn(B, T, dtype=torch.float64) if i % 3 == 0 else torch.randn(B, dtype=torch.float64)
@@ -230,17 +237,7 @@ def test_every_option_of_trl_matches_trl_and_float64(loss_type, level, options):
     trainer_cls = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
     options = dict(options)
     generator = torch.Generator().manual_seed(5)
-    hidden = torch.randn(B, T, H, dtype=torch.float64, generator=generator).requires_grad_()
-    weight = torch.randn(V, H, dtype=torch.float64, generator=generator).requires_grad_()
-    ids = torch.randint(0, V, (B, T), generator=generator)
-    completion_mask = torch.ones(B, T, dtype=torch.int64)
-    completion_mask[0, 4:] = 0
-    completion_mask[1, 6:] = 0
-    target = ids.masked_fill(completion_mask == 0, -100)
-    with torch.no_grad():
-        logp = reference.fused_linear_logprobs(hidden, weight, target, temperature=0.8)
-    old = logp + 0.3 * torch.randn(B, T, dtype=torch.float64, generator=generator) + 0.02
-    ref = logp + 0.5 * torch.randn(B, T, dtype=torch.float64, generator=generator)
+    hidden, weight, ids, completion_mask, target, old, ref = _trl_batch(generator, old_shift=0.02)
     advantages = torch.randn(B, dtype=torch.float64, generator=generator)
     ratio = options.pop("importance_sampling_ratio", None)
     if ratio is not None:
