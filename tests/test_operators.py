@@ -3,6 +3,8 @@ autograd formula; the public calls reach each operator once."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import OpCalls, randn
@@ -10,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import liger_lab
 from liger_lab.ops import cross_entropy, glu, rms_norm
+from liger_lab.ops.table import OPS
 
 
 def _backward_args() -> tuple[torch.Tensor, ...]:
@@ -81,3 +84,25 @@ def test_the_operator_alone_is_differentiable():
     torch.testing.assert_close(
         torch.autograd.grad(y.sum(), x), torch.autograd.grad(liger_lab.rms_norm(x, weight).sum(), x)
     )
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_an_eager_call_without_the_dispatcher_gives_what_the_dispatcher_gives(name):
+    """Eagerly an Operator skips the dispatcher (operators._eager); under a dispatch mode it goes through the
+    registered operators. The same kernels run either way: outputs and gradients are equal bit for bit."""
+    spec = OPS[name]
+    results = []
+    for observed in (False, True):
+        torch.manual_seed(0)
+        inputs = spec.make_inputs(spec.check_shapes[0], torch.float32)
+        leaves = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad]
+        with OpCalls() if observed else contextlib.nullcontext() as calls:
+            outputs = spec.function(*inputs)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            floating = [o for o in outputs if o.is_floating_point() and o.requires_grad]
+            grads = torch.autograd.grad(sum(o.sum() for o in floating), leaves, allow_unused=True)
+        results.append([*outputs, *grads])
+        if observed:
+            assert calls.ran(), "the dispatch mode saw no liger_lab operator"
+    for eager, dispatched in zip(*results, strict=True):
+        assert (eager is None and dispatched is None) or torch.equal(eager, dispatched)
