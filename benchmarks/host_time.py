@@ -43,23 +43,38 @@ MAX_SIZE = 16
 """Every dimension of an op's interpreter check shape capped at this: the reference's own arithmetic stays small."""
 
 
-def per_call_us(fn: Callable[[], object], *, rounds: int = 31, round_s: float = 0.01) -> float:
-    """The least over ``rounds`` rounds of the microseconds per call of ``fn()``, each round ``round_s`` long or
-    more, in this thread's CPU time: with every launch skipped the host never waits, so that is the call's wall time
-    on an idle machine. On a machine shared with other work CPU time leaves out the time other processes held the
-    CPU, and the least round is the one their caches and the other hardware thread disturbed least."""
-    start, warmup_calls = time.thread_time(), 0
-    while warmup_calls < 20 or time.thread_time() - start < round_s:  # first calls fill caches of every kind
-        fn()
-        warmup_calls += 1
-    calls = max(1, int(round_s * warmup_calls / (time.thread_time() - start)))
-    samples = []
-    for _ in range(rounds):
+def per_call_us(
+    torch_fn: Callable[[], object], ours_fn: Callable[[], object], *, rounds: int = 31, round_s: float = 0.01
+) -> tuple[float, float]:
+    """(torch's, ours): the least over ``rounds`` rounds of the microseconds per call of each, each round
+    ``round_s`` long or more, in this thread's CPU time, ``ours_fn`` with every launch skipped. With launches
+    skipped the host never waits, so that is the call's wall time on an idle machine. The two sides alternate round
+    by round: on a machine shared with other work its load drifts over seconds, and a side measured after the other
+    would meet another machine. CPU time leaves out the time other processes held the CPU, and the least round is the
+    one their caches and the other hardware thread disturbed least."""
+
+    def calls_per_round(fn: Callable[[], object]) -> int:
+        start, warmup_calls = time.thread_time(), 0
+        while warmup_calls < 20 or time.thread_time() - start < round_s:  # first calls fill caches of every kind
+            fn()
+            warmup_calls += 1
+        return max(1, int(round_s * warmup_calls / (time.thread_time() - start)))
+
+    def one_round(fn: Callable[[], object], calls: int) -> float:
         start = time.thread_time()
         for _ in range(calls):
             fn()
-        samples.append((time.thread_time() - start) / calls * 1e6)
-    return min(samples)
+        return (time.thread_time() - start) / calls * 1e6
+
+    torch_calls = calls_per_round(torch_fn)
+    with runtime.skip_launches():
+        ours_calls = calls_per_round(ours_fn)
+    torch_samples, ours_samples = [], []
+    for _ in range(rounds):
+        torch_samples.append(one_round(torch_fn, torch_calls))
+        with runtime.skip_launches():
+            ours_samples.append(one_round(ours_fn, ours_calls))
+    return min(torch_samples), min(ours_samples)
 
 
 def _outputs(result: object) -> tuple[torch.Tensor, ...]:
@@ -109,9 +124,7 @@ def measure() -> list[dict]:
     rows = []
     for name, spec in OPS.items():
         for kind, build in op_cases(spec).items():
-            torch_us = per_call_us(build(spec.reference))
-            with runtime.skip_launches():
-                ours_us = per_call_us(build(spec.function))
+            torch_us, ours_us = per_call_us(build(spec.reference), build(spec.function))
             rows.append({"op": name, "call": kind, "liger_lab_us": round(ours_us, 1), "torch_us": round(torch_us, 1)})
             print(f"{name:<28} {kind:<17} liger_lab {ours_us:8.1f} us   torch {torch_us:8.1f} us", flush=True)
     for call, compile_backend in (("training step", None), ("training step, compiled (aot_eager)", "aot_eager")):
@@ -120,9 +133,9 @@ def measure() -> list[dict]:
         if compile_backend is not None:
             torch._dynamo.reset()
             model, patched = (torch.compile(m, backend=compile_backend) for m in (model, patched))
-        torch_us = per_call_us(training_step(model, input_ids), rounds=15, round_s=0.05)
-        with runtime.skip_launches():
-            ours_us = per_call_us(training_step(patched, input_ids), rounds=15, round_s=0.05)
+        torch_us, ours_us = per_call_us(
+            training_step(model, input_ids), training_step(patched, input_ids), rounds=15, round_s=0.05
+        )
         liger_lab.unpatch(patched)
         rows.append({"op": "llama (2 layers, patched)", "call": call, "liger_lab_us": round(ours_us, 1),
                      "torch_us": round(torch_us, 1)})  # fmt: skip
