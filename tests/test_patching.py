@@ -382,7 +382,7 @@ def test_unsupported_models_raise():
 
 def test_patch_report_counts_what_was_fused_and_says_what_was_left_alone():
     model = tiny_model("llama")
-    assert liger_lab.patch_report(model).left_alone["loss"] == "transformers' own"
+    assert liger_lab.patch_report(model).left_alone["the whole model"].startswith("not patched")
     report = liger_lab.patch_report(liger_lab.patch(model))
     assert report.replaced == {
         "residual add into RMSNorm": 1, "attention (RoPE)": 1, "gated MLP (SwiGLU/GeGLU)": 1, "RMSNorm": 3,
@@ -700,3 +700,9 @@ def test_a_patched_model_is_placed_by_accelerate_with_its_layers_whole(by_type):
             liger_lab.unpatch("llama")
     liger_lab.unpatch(model)
     assert "FusedLlamaDecoderLayer" not in model._no_split_modules
+
+
+def test_the_report_of_a_model_never_patched_says_so():
+    report = liger_lab.patch_report(tiny_model("llama"))
+    assert report.replaced == {} and list(report.left_alone) == ["the whole model"]
+    assert "not patched: liger_lab.patch(model)" in str(report)

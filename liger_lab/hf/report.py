@@ -88,7 +88,12 @@ def report(model: nn.Module) -> PatchReport:
         left_alone["loss"] = f"logits materialised: {fallback}"
     else:
         left_alone["loss"] = "transformers' own" if fused is None else "from logits (fused_linear_cross_entropy=False)"
+    if not replaced and fused is None:  # nothing of liger_lab's runs in it: say that, not what each piece lacks
+        return PatchReport(model_type, {}, {"the whole model": _NOT_PATCHED})
     return PatchReport(model_type, replaced, left_alone)
+
+
+_NOT_PATCHED = "not patched: liger_lab.patch(model), or patch(model_type) before building it, fuses it"
 
 
 def _transformers_class(module: nn.Module) -> type:
