@@ -146,7 +146,7 @@ def test_unpatch_after_trl_wrapped_the_patched_model(add_fused_lm_head):
     assert model(input_ids=input_ids, labels=labels).logits is None
     assert "loss (fused linear cross-entropy)" in liger_lab.patch_report(model).replaced
     liger_lab.unpatch(model)
-    assert liger_lab.patch_report(model).left_alone["loss"] == "transformers' own"
+    assert "not patched" in liger_lab.patch_report(model).left_alone["the whole model"]
     assert model(input_ids=input_ids, labels=labels).logits is not None
     assert model(input_ids=input_ids, labels=labels, fused_lm_head=True).log_probs.shape == labels[:, 1:].shape
 
@@ -202,7 +202,7 @@ def test_accelerate_hooks_before_or_after_patch(hook):
     with OpCalls() as calls:
         out = model(input_ids=input_ids, labels=labels)
     assert out.logits is not None and not any(name.startswith("liger_lab::") for name in calls.counts)
-    assert liger_lab.patch_report(model).left_alone["loss"] == "transformers' own"
+    assert "not patched" in liger_lab.patch_report(model).left_alone["the whole model"]
 
 
 # ---------------------------------------------------------------------------------------------------
