@@ -198,18 +198,17 @@ def _patch_model(model: nn.Module, options: _Options) -> None:
                 )
                 del pieces[name]
     piece_of = {piece.original: piece for piece in pieces.values()}
+    fused_names = {piece.original.__name__: piece.fused.__name__ for piece in pieces.values()}
     for name, module in model.named_modules():
+        no_split = module.__dict__.get("_no_split_modules")  # each PreTrainedModel's own (transformers' post_init)
+        if no_split and any(kept in fused_names for kept in no_split):
+            module._no_split_modules = _with_fused_names(no_split, fused_names)
         piece = piece_of.get(type(module))
         if piece is None or (piece.kind.needs_weight and getattr(module, "weight", None) is None):
             continue  # a norm without weight (Gemma 4's with_scale=False) keeps transformers' class
         _set_class(module, piece.fused)
         if name.rpartition(".")[2] in family.in_place_norms:
             module.in_place_backward = True
-    fused_names = {piece.original.__name__: piece.fused.__name__ for piece in pieces.values()}
-    for module in model.modules():  # each PreTrainedModel keeps its own set (transformers' post_init)
-        no_split = module.__dict__.get("_no_split_modules")
-        if no_split and any(name in fused_names for name in no_split):
-            module._no_split_modules = _with_fused_names(no_split, fused_names)
     if options.rope and family.rope:
         _hold(modeling, _ROPE_FUNCTION, _rope_dispatcher(family, modeling), model)
     causal_lm = _causal_lm(model_type)
@@ -233,7 +232,6 @@ def _unpatch_model(model: nn.Module) -> None:
         if no_split and fused_names.intersection(no_split):
             kept = [name for name in no_split if name not in fused_names]
             module._no_split_modules = set(kept) if isinstance(no_split, set) else kept
-    for module in model.modules():
         original = _UNFUSED.get(type(module))
         if original is not None:
             _set_class(module, original)
