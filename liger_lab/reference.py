@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from liger_lab.ops import grpo, preference
+from liger_lab.ops.logprobs import head_outputs
 from liger_lab.ops.preference import ORPO_MAX_AVG_LOGP
 
 
@@ -293,26 +294,6 @@ def fused_linear_simpo(
 
 
 # The RL head and the GRPO family (TRL 1.16's GRPOTrainer._compute_loss on one micro-batch).
-
-
-HEAD_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-"""The per-token outputs the RL head gives besides logp, as TRL's fused head names them."""
-
-
-def head_outputs(entropy: bool, outputs: Sequence[str]) -> tuple[str, ...]:
-    """The outputs a head call returns after logp, in order: "entropy" first when ``entropy``, then ``outputs`` in the
-    order given. Raises ValueError for a name that is not one of :data:`HEAD_OUTPUTS` or one asked for twice."""
-    if not isinstance(entropy, bool):
-        raise ValueError(f"entropy is {entropy!r}: expected True or False")
-    if isinstance(outputs, str) or not all(isinstance(name, str) for name in outputs):
-        raise ValueError(f"outputs is {outputs!r}: expected a tuple of names from {HEAD_OUTPUTS}")
-    names = (("entropy",) if entropy else ()) + tuple(outputs)
-    unknown = [name for name in names if name not in HEAD_OUTPUTS]
-    if unknown:
-        raise ValueError(f"outputs names {unknown[0]!r}: expected names from {HEAD_OUTPUTS}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"outputs {names} names one output twice (entropy=True already returns the entropy)")
-    return names
 
 
 def head_logits(logits: torch.Tensor, *, temperature: float = 1.0, softcap: float | None = None,

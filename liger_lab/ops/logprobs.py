@@ -77,7 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_lab import reference, runtime
+from liger_lab import runtime
 from liger_lab.ops import chunked
 from liger_lab.ops.cross_entropy import LossOptions, check_loss_options, check_target, check_target_tensor
 from liger_lab.ops.fused_linear_cross_entropy import chunk_rows
@@ -266,6 +266,26 @@ def _logprobs_grad_kernel(
 # Host launchers: a chunk of logits (rows, V) with unit column stride, the rows' targets, fp32 per-row buffers.
 
 
+HEAD_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+"""The per-token outputs the RL head gives besides logp, as TRL's fused head names them."""
+
+
+def head_outputs(entropy: bool, outputs: Sequence[str]) -> tuple[str, ...]:
+    """The outputs a head call returns after logp, in order: "entropy" first when ``entropy``, then ``outputs`` in the
+    order given. Raises ValueError for a name that is not one of :data:`HEAD_OUTPUTS` or one asked for twice."""
+    if not isinstance(entropy, bool):
+        raise ValueError(f"entropy is {entropy!r}: expected True or False")
+    if isinstance(outputs, str) or not all(isinstance(name, str) for name in outputs):
+        raise ValueError(f"outputs is {outputs!r}: expected a tuple of names from {HEAD_OUTPUTS}")
+    names = (("entropy",) if entropy else ()) + tuple(outputs)
+    unknown = [name for name in names if name not in HEAD_OUTPUTS]
+    if unknown:
+        raise ValueError(f"outputs names {unknown[0]!r}: expected names from {HEAD_OUTPUTS}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"outputs {names} names one output twice (entropy=True already returns the entropy)")
+    return names
+
+
 @dataclass(frozen=True)
 class HeadTransform:
     """What turns a raw logit into the head's z: ``softcap * tanh(raw * logit_scale / softcap) / temperature`` (no
@@ -291,7 +311,7 @@ class HeadOutputs:
     is_top1: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """The four buffers in :data:`liger_lab.reference.HEAD_OUTPUTS`' order (themselves: ``astuple`` would copy)."""
+        """The four buffers in :data:`liger_lab.HEAD_OUTPUTS`' order (themselves: ``astuple`` would copy)."""
         return tuple(getattr(self, field.name) for field in fields(self))
 
     def rows(self, chunk: slice) -> HeadOutputs:
@@ -365,7 +385,7 @@ def logprob_grad_rows(
 # --------------------------------------------------------------------------------------------------
 # PyTorch operators: the forward (logp, the outputs asked for, statistics) and the backward (the chunk loop again,
 # upstream gradients folded into dz). The forward operator carries its autograd formula: nothing is written over an
-# output, so no autograd.Function is needed. ``wanted`` flags the outputs of reference.HEAD_OUTPUTS, in that order.
+# output, so no autograd.Function is needed. ``wanted`` flags the outputs of HEAD_OUTPUTS, in that order.
 
 
 def _forward(
@@ -456,7 +476,7 @@ def _per_token(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
 
 
 def _wanted(index: int, dtype: torch.dtype = torch.float32):
-    """The allocator of the output ``reference.HEAD_OUTPUTS[index]``: target's shape when asked for, else empty."""
+    """The allocator of the output ``HEAD_OUTPUTS[index]``: target's shape when asked for, else empty."""
 
     def allocate(hidden, weight, target, bias, temperature, ignore_index, wanted: list[bool], *rest) -> torch.Tensor:
         return hidden.new_empty(target.shape if wanted[index] else (0,), dtype=dtype)
@@ -517,16 +537,16 @@ def fused_linear_logprobs(
     """
     check_loss_options(LossOptions(ignore_index=ignore_index))
     temperature = chunked.check_number("temperature", temperature, positive=True)
-    names = reference.head_outputs(entropy, outputs)
+    names = head_outputs(entropy, outputs)
     softcap = None if softcap is None else chunked.check_number("softcap", softcap, positive=True)
     logit_scale = chunked.check_number("logit_scale", logit_scale)
     chunked.check_head(hidden, weight, bias)
     check_target_tensor(target, hidden.shape[:-1])
     accumulation = chunked.check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
-    wanted = [name in names for name in reference.HEAD_OUTPUTS]
+    wanted = [name in names for name in HEAD_OUTPUTS]
     logp, *made, _ = FUSED_LINEAR_LOGPROBS(
         hidden, weight, target, bias, temperature, ignore_index, wanted, softcap, logit_scale, chunk_tokens,
         accumulation,
     )  # fmt: skip
-    by_name = dict(zip(reference.HEAD_OUTPUTS, made, strict=True))
+    by_name = dict(zip(HEAD_OUTPUTS, made, strict=True))
     return (logp, *(by_name[name] for name in names)) if names else logp
