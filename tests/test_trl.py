@@ -48,13 +48,14 @@ def _length_reward(completions, **kwargs):
     return [float(len(completion)) for completion in completions]
 
 
-def _trainer(kind: str, model_dir: str, output_dir: str):
+def _trainer(kind: str, model_dir: str, output_dir: str, model=None):
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     common = dict(
         output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2, report_to=[], logging_steps=1,
         use_cpu=True, save_strategy="no", learning_rate=1e-3, bf16=False, seed=0,
     )  # fmt: skip
     prompts = [_text(i, 3) for i in range(8)]
+    model_dir = model_dir if model is None else model
     if kind == "sft":
         data = datasets.Dataset.from_dict({"text": [_text(i, 6) for i in range(8)]})
         return trl.SFTTrainer(model_dir, args=trl.SFTConfig(**common), train_dataset=data, processing_class=tokenizer)
@@ -167,3 +168,44 @@ def test_patch_trl_twice_and_unpatch_restore_trl_s_head():
     assert utils._ChunkedLogProbFunction is original
     liger_lab.unpatch_trl()  # nothing to undo
     assert utils._ChunkedLogProbFunction is original
+
+
+def test_reference_model_gets_the_policy_s_patch(tiny_model_dir, tmp_path):
+    """DPO loads its reference model from the policy's path: a policy patched as an object gets a reference patched
+    the same way, so both compute alike (the first DPO loss is log 2), and patch_report says whose head runs."""
+    policy = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    liger_lab.patch(policy, rope=False)
+    head = liger_lab.patch_trl()
+    try:
+        trainer = _trainer("dpo", tiny_model_dir, str(tmp_path), model=policy)
+        assert liger_lab.hf.api.patch_options(trainer.ref_model) == liger_lab.hf.api.patch_options(policy)
+        assert liger_lab.hf.api.patch_options(policy)["rope"] is False
+        report = liger_lab.patch_report(trainer.model)
+        assert report.replaced["LM head under TRL (fused_linear_logprobs)"] == 1
+        assert "loss (fused linear cross-entropy)" not in report.replaced
+        trainer.train()
+    finally:
+        liger_lab.unpatch_trl()
+    first = next(row for row in trainer.state.log_history if "loss" in row)
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-7)
+    assert head.calls > 0 and head.fallbacks == 0
+    assert "LM head under TRL" in liger_lab.patch_report(trainer.model).left_alone  # TRL's own head is back
+
+
+def test_a_trainer_whose_loss_is_not_served_is_named(tiny_model_dir, tmp_path):
+    student = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    liger_lab.patch(student)
+    head = liger_lab.patch_trl()
+    try:
+        args = trl.DistillationConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, bf16=False)
+        data = datasets.Dataset.from_dict({"prompt": [_text(i, 3) for i in range(4)]})
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+        with pytest.warns(UserWarning, match="DistillationTrainer's loss stays TRL's"):
+            trainer = trl.DistillationTrainer(
+                student, teacher_model=teacher, args=args, train_dataset=data, processing_class=tokenizer
+            )
+    finally:
+        liger_lab.unpatch_trl()
+    assert head.fallbacks == 1
+    assert "ChunkedDivergenceFunction" in liger_lab.patch_report(trainer.model).left_alone["TRL trainer"]

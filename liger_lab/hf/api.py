@@ -18,6 +18,7 @@ wrapper of ``torch.compile(model)`` is looked through. The fused-RoPE switch is 
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import warnings
 import weakref
@@ -85,6 +86,16 @@ def unpatch(model_or_model_type: _M) -> _M:
     else:
         _unpatch_model(_unwrap(model_or_model_type))
     return model_or_model_type
+
+
+def patch_options(model: object) -> dict[str, object] | None:
+    """The keywords of the :func:`patch` that patched this model in place (a wrapper is looked through), or None
+    when it was not patched by instance: what another model must be given to compute exactly as it does."""
+    options = _INSTANCE_OPTIONS.get(_unwrap(model))
+    return None if options is None else dataclasses.asdict(options)
+
+
+_INSTANCE_OPTIONS: weakref.WeakKeyDictionary[nn.Module, _Options] = weakref.WeakKeyDictionary()
 
 
 def _unwrap(model: object) -> nn.Module:
@@ -220,6 +231,7 @@ def _patch_model(model: nn.Module, options: _Options) -> None:
         )  # fmt: skip
         setattr(model, _forward_slot(model), forward)
         _PATCHED_FORWARDS[model] = weakref.ref(forward)
+    _INSTANCE_OPTIONS[model] = options
 
 
 def _unpatch_model(model: nn.Module) -> None:
@@ -241,6 +253,7 @@ def _unpatch_model(model: nn.Module) -> None:
         forward = model.__dict__.get(slot)
         if isinstance(forward, _BoundForward) and forward.__self__ is model:
             forward.put_back(slot)
+    _INSTANCE_OPTIONS.pop(model, None)
     reference = _PATCHED_FORWARDS.pop(model, None)
     buried = reference() if reference is not None else None
     if buried is not None:  # inside a forward another library set after patch, which still calls it

@@ -88,9 +88,22 @@ def report(model: nn.Module) -> PatchReport:
         left_alone["loss"] = f"logits materialised: {fallback}"
     else:
         left_alone["loss"] = "transformers' own" if fused is None else "from logits (fused_linear_cross_entropy=False)"
+    for section in _SECTIONS:
+        section(model, replaced, left_alone)
     if not replaced and fused is None:  # nothing of liger_lab's runs in it: say that, not what each piece lacks
         return PatchReport(model_type, {}, {"the whole model": _NOT_PATCHED})
     return PatchReport(model_type, replaced, left_alone)
+
+
+_Section = Callable[[nn.Module, dict[str, int], dict[str, str]], None]
+_SECTIONS: list[_Section] = []
+
+
+def add_section(section: _Section) -> None:
+    """Let a layer above this one add its lines to every report: ``section(model, replaced, left_alone)`` edits the
+    two tables in place (``liger_lab.trl_head`` says whose head a model's training calls reach under TRL)."""
+    if section not in _SECTIONS:
+        _SECTIONS.append(section)
 
 
 _NOT_PATCHED = "not patched: liger_lab.patch(model), or patch(model_type) before building it, fuses it"
