@@ -33,19 +33,29 @@ def _inputs(n: int, h: int, v: int, dtype: torch.dtype):
     return hidden, weight, target
 
 
-def _head_rows(n: int, h: int, v: int, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+def _head_rows(n: int, h: int, v: int, dtype: torch.dtype, outputs: tuple[str, ...]) -> dict[str, Callable]:
+    """liger_lab's head and TRL's asked for log-probs and ``outputs``; upstream gradients on every differentiable
+    output (logp, entropy, log_sum_sq_probs)."""
     hidden, weight, target = _inputs(n, h, v, dtype)
-    upstream = torch.randn(2, n, device=runtime.DEVICE)
+    upstream = torch.randn(3, n, device=runtime.DEVICE)
+    graded = [name for name in outputs if name in ("entropy", "log_sum_sq_probs")]
+
+    def backward(logp: torch.Tensor, by_name: dict[str, torch.Tensor]) -> None:
+        loss = (logp * upstream[0]).sum()
+        for i, name in enumerate(graded, 1):
+            loss = loss + (by_name[name] * upstream[i]).sum()
+        loss.backward()
 
     def ours():
-        logp, entropy = liger_lab.fused_linear_logprobs(hidden, weight, target, entropy=True)
-        ((logp * upstream[0]).sum() + (entropy * upstream[1]).sum()).backward()
+        logp, *made = liger_lab.fused_linear_logprobs(hidden, weight, target, outputs=outputs)
+        backward(logp, dict(zip(outputs, made, strict=True)))
 
     def trl():
         from trl.kernels import ChunkedLogProbFunction
 
-        outputs = ChunkedLogProbFunction.apply(hidden, weight, None, target, 1.0, 32768, None, 1.0, ("entropy",))
-        ((outputs[0] * upstream[0]).sum() + (outputs[1] * upstream[1]).sum()).backward()
+        made = ChunkedLogProbFunction.apply(hidden, weight, None, target, 1.0, 32768, None, 1.0, outputs)
+        names = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+        backward(made[0], dict(zip(names, made[1:], strict=True)))
 
     return {"liger_lab": ours, "trl": trl}
 
@@ -105,10 +115,18 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     print(runtime.describe())
-    n, h, v = runtime.pick(cpu=(64, 32, 200), gpu=(8192, 4096, 128256))
+    head_shapes = {"": runtime.pick(cpu=(64, 32, 200), gpu=(8192, 4096, 128256)),
+                   ":wide": runtime.pick(cpu=(96, 16, 300), gpu=(16384, 2048, 151936))}  # fmt: skip
     b, t = runtime.pick(cpu=(4, 16), gpu=(8, 1024))
     dtype = runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)
-    rows = _measure("fused_linear_logprobs", _head_rows(n, h, v, dtype), 8.0 * n * h * v, 4)
+    rows = []
+    all_outputs = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    for label, (n, h, v) in head_shapes.items():
+        for outputs in (("entropy",), all_outputs):
+            name = "fused_linear_logprobs" + ("" if len(outputs) == 1 else ":all_outputs") + label
+            rows += _measure(name, _head_rows(n, h, v, dtype, outputs), 8.0 * n * h * v, 4)
+        torch.cuda.empty_cache() if not runtime.INTERPRET else None
+    h, v = head_shapes[""][1:]
     rows += _measure("fused_linear_grpo", _grpo_rows(b, t, h, v, dtype), 6.0 * b * t * h * v, 3)
     if args.json:
         write_rows(rows, Path(args.json))
