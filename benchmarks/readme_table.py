@@ -200,6 +200,35 @@ def op_wall_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def trl_step_table(rows: list[dict]) -> str:
+    """TRL 1.16's training steps (``benchmarks/trl_steps.py``): per trainer, TRL alone and TRL on liger_lab patched
+    both ways: ms per step, tokens/s and its ratio to TRL alone, peak, and DPO's first loss minus log 2."""
+    lines = ["| TRL trainer | way | ms/step | tokens/s | vs TRL alone | peak GiB | head calls |", "|---" * 7 + "|"]
+    alone = {r["trainer"]: r for r in rows if r.get("impl") == "trl" and "tokens_per_s" in r}
+    ways = {"trl": "TRL alone", "liger_lab": "patch('llama') before TRL loads it", "liger_lab_obj": "patch(model)"}
+    for r in rows:
+        if "tokens_per_s" not in r:
+            continue
+        base = alone.get(r["trainer"])
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "–"
+        calls = "–" if r["head_calls"] is None else r["head_calls"]
+        lines.append(f"| {r['trainer'].upper()} | {ways.get(r['impl'], r['impl'])} | {r['ms_per_step']:.1f} | "
+                     f"{r['tokens_per_s']:,} | {ratio} | {r['peak_gib']:.2f} | {calls} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def head_table(rows: list[dict]) -> str:
+    """The RL head and GRPO against TRL's head and Liger-Kernel (``benchmarks/rl_head.py``): GPU and wall time per
+    forward+backward call, peak above the inputs, and the matmul floor at the rate measured in the same run."""
+    lines = ["| op | impl | GPU ms | wall ms | peak MiB | floor ms (matmuls) |", "|---" * 6 + "|"]
+    for r in rows:
+        if r.get("gpu_ms") is None:
+            continue
+        lines.append(f"| {r['op']} | {r['impl']} | {r['gpu_ms']:.2f} | {r['wall_ms']:.2f} | {r['peak_mib']:,.0f} | "
+                     f"{r['floor_ms']:.2f} ({r['matmuls']}) |")  # fmt: skip
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Table:
     """A generated table: where it lies (a file of the clone and the name of its markers) and how it is made."""
@@ -215,6 +244,7 @@ LOSSES, LOSS_OPS = ("h200-ops-round2.json",), ("jsd", "fused_linear_jsd", "fused
 VOCAB, NOTES_E2E = "h200-e2e-vocab.json", "h200-e2e.json"
 SMALL_STEP, SMALL_LENGTHS = "h200-wall-clock-e2e.json", "h200-wall-clock-lengths.json"
 SMALL_STEP_NOW, OP_WALL = "h200-wall-clock-e2e-2.json", "h200-wall-clock-ops.json"
+TRL_STEPS, RL_HEAD = "h200-trl-steps.json", "h200-rl-head-d072fd1.json"
 TABLES = (
     Table("README.md", "bench", lambda: f"{ops_table(ops_rows(BENCH_OPS))}\n\n{raw_rows(BENCH_OPS)}\n\n"
           f"End to end (Llama-style 1.5B, AdamW, bf16):\n\n{e2e_table(results.load(BENCH_E2E))}"),
@@ -230,6 +260,10 @@ TABLES = (
         f"{raw_rows((SMALL_STEP_NOW,))}")),
     Table("benchmarks/notes/host_time.md", "op-wall", lambda: (
         f"{op_wall_table(results.load(OP_WALL))}\n\n{results.source(OP_WALL)}. {raw_rows((OP_WALL,))}")),
+    Table("README.md", "trl-steps", lambda: (
+        f"{trl_step_table(results.load(TRL_STEPS))}\n\n{results.source(TRL_STEPS)}. {raw_rows((TRL_STEPS,))}")),
+    Table("README.md", "rl-head", lambda: (
+        f"{head_table(results.load(RL_HEAD))}\n\n{results.source(RL_HEAD)}. {raw_rows((RL_HEAD,))}")),
     Table("benchmarks/notes/end_to_end.md", "e2e-vocab", lambda: vocab_table(
         results.load(VOCAB), ("gemma3-1.5b", "qwen3-1.5b"), ("liger", "liger_lab"), ratio_to="liger")),
 )  # fmt: skip
