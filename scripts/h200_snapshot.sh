@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One GPU run of every published measurement, into one folder (DESIGN.md's benchmark protocol, rounds 3 and 4).
+#
+#   LIGER_LAB_COMMIT=$(git rev-parse --short HEAD) bash scripts/h200_snapshot.sh OUT_DIR [PART ...]
+#
+# PART is any of: tests notebooks ops e2e lengths e2e-1.5b head trl (default: all, in that order). Each part
+# writes its rows (JSON, for `python -m benchmarks.import_results`) and its log to OUT_DIR and goes on after a
+# failure; the exit code says whether any part failed. On a machine that keeps no git history set LIGER_LAB_COMMIT
+# so every row names the commit measured. Back on the checkout: copy the JSON files to benchmarks/results/, import
+# them, name them in benchmarks/readme_table.py and run it; copy the executed notebooks to solutions/ and run
+# `python -m liger_lab.chapters`.
+set -u
+out=${1:?usage: h200_snapshot.sh OUT_DIR [PART ...]}
+shift
+parts=${*:-tests notebooks ops e2e lengths e2e-1.5b head trl}
+commit=${LIGER_LAB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export LIGER_LAB_COMMIT=$commit
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv > "$out/gpu-$commit.csv"
+failed=0
+run() {  # run NAME COMMAND...: the command's output to OUT/NAME.log, its time and exit code on stdout
+    local name=$1
+    shift
+    local start=$SECONDS
+    "$@" > "$out/$name.log" 2>&1
+    local code=$?
+    echo "$name: exit $code in $((SECONDS - start)) s"
+    [ $code -eq 0 ] || failed=1
+}
+for part in $parts; do
+    case $part in
+        tests) run "cuda-tests-$commit" python -m pytest -q -m cuda -p no:cacheprovider \
+            --junitxml="$out/cuda-tests-$commit.xml" tests ;;
+        notebooks) mkdir -p "$out/solutions" && cp solutions/*.ipynb "$out/solutions/" \
+            && run notebooks python scripts/execute_notebooks.py "$out"/solutions/*.ipynb ;;
+        ops) run wall-clock-ops python -m benchmarks.wall_clock ops --json "$out/h200-wall-clock-ops.json" ;;
+        e2e) run wall-clock-e2e python -m benchmarks.wall_clock e2e --json "$out/h200-wall-clock-e2e.json" ;;
+        lengths) run wall-clock-lengths python -m benchmarks.wall_clock lengths \
+            --json "$out/h200-wall-clock-lengths.json" ;;
+        e2e-1.5b) run e2e-1.5b python -m liger_lab bench e2e --model 1.5b --reference hf+compile \
+            --json "$out/h200-e2e-1.5b.json" ;;
+        head) run rl-head python -m benchmarks.rl_head --json "$out/h200-rl-head.json" ;;
+        trl) run trl-steps python -m benchmarks.trl_steps --json "$out/h200-trl-steps.json" ;;
+        *) echo "unknown part $part" >&2; failed=1 ;;
+    esac
+done
+exit $failed
