@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from liger_lab.ops.logprobs import HEAD_OUTPUTS, fused_linear_logprobs
+from liger_lab.formulas import HEAD_OUTPUTS
+from liger_lab.ops.logprobs import fused_linear_logprobs
 
 
 class LigerLabHead:

@@ -10,13 +10,13 @@ import torch
 from helpers import LargestNewTensor, OpCalls, randn
 
 import liger_lab
-from liger_lab import reference, runtime
+from liger_lab import formulas, reference, runtime
 from liger_lab.checks import check_against_reference
 from liger_lab.ops import chunked, grpo
 
 B, T, H, V = 3, 7, 16, 40
-LOSS_TYPES = grpo.LOSS_TYPES
-LEVELS = grpo.IMPORTANCE_SAMPLING_LEVELS
+LOSS_TYPES = formulas.LOSS_TYPES
+LEVELS = formulas.IMPORTANCE_SAMPLING_LEVELS
 
 
 def targets(vocab=V, ignore_index=-100):
@@ -275,7 +275,7 @@ def test_every_option_of_trl_matches_trl_and_float64(loss_type, level, options):
 def _forward(hidden, weight, target, advantages, old, level, chunk):
     """The operator's work for dapo with both gradients (what the autograd.Function's forward runs), into outputs
     allocated as the operator allocates them: called through the operator, a dispatch mode would see only it."""
-    options = grpo.GRPOOptions.checked("dapo", level, 0.0, 0.2, None, None)
+    options = formulas.GRPOOptions.checked("dapo", level, 0.0, 0.2, None, None)
     args = (hidden, weight, target, advantages, old, None, None, *options.arguments(), 1.0, -100, None, None, chunk,
             "fp32", [True, True, False])  # fmt: skip
     loss = hidden.new_empty((), dtype=torch.float32)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import LargestNewTensor, randn, row_strided
 
 import liger_lab
-from liger_lab import reference, runtime
+from liger_lab import formulas, reference, runtime
 from liger_lab.checks import check_against_reference
 from liger_lab.nn import FusedLinearDPOLoss, FusedLinearORPOLoss, FusedLinearSimPOLoss
 from liger_lab.ops import preference
@@ -316,7 +316,7 @@ def test_reference_empty_sequence_and_orpo_cap():
     odds = lambda a: a - math.log(-math.expm1(a))  # noqa: E731
     expected = -0.1 * F.logsigmoid(torch.tensor(odds(reference.ORPO_MAX_AVG_LOGP) - odds(logp[1].item() / 2)))
     torch.testing.assert_close(reference.fused_linear_orpo(hidden, weight, target), expected.double())
-    assert reference.ORPO_MAX_AVG_LOGP is preference.ORPO_MAX_AVG_LOGP  # one cap, stated once
+    assert reference.ORPO_MAX_AVG_LOGP is preference.ORPO_MAX_AVG_LOGP is formulas.ORPO_MAX_AVG_LOGP  # stated once
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def test_no_tensor_holds_the_logits_of_every_pair(loss):
     n_pairs, seq_len, vocab = 5, 6, 300
     hidden, weight, target, *refs = inputs(loss, n_pairs=n_pairs, seq_len=seq_len, hidden=8, vocab=vocab)
     refs = refs or [None, None]
-    options = preference.PreferenceOptions(loss, beta=0.1, gamma=0.5, nll_weight=float(loss == "orpo"))
+    options = formulas.PreferenceOptions(loss, beta=0.1, gamma=0.5, nll_weight=float(loss == "orpo"))
     args = (hidden, weight, target, *refs, None, None, None, None, *options.arguments(), -100, 2, "fp32",
             [True, True, False])  # fmt: skip
     outputs = [allocate(*args) for allocate in preference.FUSED_LINEAR_PREFERENCE_OUTPUTS.values()]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from liger_lab import reference, runtime
-from liger_lab.ops import logprobs
+from liger_lab.formulas import HEAD_OUTPUTS
 
 Shape = tuple[int, ...]
 
@@ -405,7 +405,7 @@ OPS: dict[str, OpSpec] = {
             # The entropy as well (what TRL's fused head computes for GRPO), and every output TRL's head has with a
             # soft cap and a logit scale (what its SFT, DPO and KTO trainers ask of a Gemma 2): labelled rows.
             variants={"entropy": {"entropy": True},
-                      "all_outputs": {"outputs": logprobs.HEAD_OUTPUTS, "softcap": 30.0, "logit_scale": 0.5}},
+                      "all_outputs": {"outputs": HEAD_OUTPUTS, "softcap": 30.0, "logit_scale": 0.5}},
             graph_timing=False,
             # TRL 1.16's fused LM head, the head its trainers run, for the same outputs.
             liger_modules={"trl": _trl_head(entropy=False), "trl:entropy": _trl_head(entropy=True)},
