@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import liger_lab  # noqa: F401  (first: it chooses the GPU or the interpreter before triton is imported)
-from liger_lab import bench, e2e, runtime
+from liger_lab import bench, e2e, profiling, runtime
 from liger_lab.ops import operators
 from liger_lab.runtime import device
 from liger_lab.workbook import results
@@ -178,7 +178,7 @@ def e2e_rows(report: Report, *, variants: bool = False, sizes: list[str] | None 
     for mode, batch, seq, options in E2E_RUNS + (VARIANT_RUNS if variants else ()):
         if sizes and f"{batch}x{seq}" not in sizes:
             continue
-        if mode.startswith("liger+") or (mode == "liger" and not bench.liger_kernel_installed()):
+        if mode.startswith("liger+") or (mode == "liger" and not profiling.liger_kernel_installed()):
             continue
         args = ["--mode", mode, "--batch", str(batch), "--seq", str(seq)]
         args += ["--chunk", str(options["chunk"])] if "chunk" in options else []
@@ -199,7 +199,7 @@ def environment() -> dict:
     clocks = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,clocks.mem", "--format=csv,noheader"],
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     commit = os.environ.get("LIGER_LAB_COMMIT") or results.commit()
-    return {**bench.environment(), "transformers": transformers.__version__, "clocks_sm_max_mem": clocks,
+    return {**profiling.environment(), "transformers": transformers.__version__, "clocks_sm_max_mem": clocks,
             "timer": "synchronized_loop",
             "time": time.strftime("%H:%M UTC", time.gmtime()), "commit": commit}  # fmt: skip
 

@@ -1,35 +1,29 @@
 """The ``liger-lab`` command line: check the kernels, benchmark them, regenerate the exercises.
 
-The ops come from the one table, :data:`liger_lab.ops.table.OPS`; the functions behind the commands
-(:func:`run_checks`, :func:`liger_lab.bench.run_op_benchmarks`) are importable too.
+The ops come from the one table, :data:`liger_lab.op_table.OPS`; the functions behind the commands
+(:func:`liger_lab.op_checks.run_checks`, :func:`liger_lab.bench.run_op_benchmarks`) are importable too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import os
 import secrets
 import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import torch
-from tqdm import tqdm
 
 from liger_lab import bench, e2e, profiling, runtime
 from liger_lab.e2e import DTYPES
 from liger_lab.hf import FAMILIES
-from liger_lab.ops.table import OPS as TABLE
-from liger_lab.workbook import checks
+from liger_lab.op_checks import CHECK_OPS, format_checks, run_checks
 from liger_lab.workbook.results import write_rows
 
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 IMPLS = list(dict.fromkeys(impl for op in bench.OPS.values() for impl in op.impls))
 
 
@@ -37,107 +31,6 @@ def _repeatable(flag: str, name: str, choices: click.ParamType, help_text: str) 
     """A click option that may be given several times: the command receives the tuple ``name`` of its values
     (empty when it is not given, which each command reads as its default set)."""
     return click.option(flag, name, multiple=True, type=choices, help=help_text)
-
-
-# --------------------------------------------------------------------------------------------------
-# check
-
-
-@dataclass
-class CheckCase:
-    """One op checked in one dtype: fresh inputs, our function and its float64 reference."""
-
-    op: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    fn: Callable[..., object]
-    reference: Callable[..., object]
-    inputs: list[object]
-    input_names: list[str]
-    tol: float | None = None
-    """The op's own tolerance in this dtype, None for :data:`liger_lab.checks.TOLERANCE`'s."""
-
-
-@dataclass
-class CheckResult:
-    op: str
-    dtype: str
-    shape: str
-    worst_rel_error: float | None
-    status: str  # PASS or FAIL
-    detail: str = ""
-
-
-CHECK_OPS = tuple(TABLE)
-
-
-def _case(op: str, dtype: torch.dtype) -> CheckCase:
-    """Fresh inputs for ``op`` from the table: small shapes for the interpreter, larger ones on the GPU.
-    Inputs that are constants of the call (targets, RoPE's cos and sin) are bound, not differentiated;
-    every 7th target is ignored, as padding gives in real batches."""
-    spec = TABLE[op]
-    shape = spec.check_shape()
-    inputs = [v.detach() if isinstance(v, torch.Tensor) else v for v in spec.make_inputs(shape, dtype)]
-    named = dict(zip(spec.input_names, inputs, strict=True))
-    if "target" in named:
-        named["target"][::7] = -100
-    varying = list(spec.differentiable)
-
-    def bind(fn: Callable[..., object]) -> Callable[..., object]:
-        def call(*args: object) -> object:
-            given = {**named, **dict(zip(varying, args, strict=True))}
-            return fn(*(given[name] for name in spec.input_names))
-
-        return call
-
-    checked, tol = [named[n] for n in varying], spec.check_tolerances.get(dtype)
-    return CheckCase(op, dtype, shape, bind(spec.function), bind(spec.reference), checked, varying, tol)
-
-
-def check_dtypes() -> tuple[torch.dtype, ...]:
-    """fp32 and fp16 in the interpreter, fp32 and bf16 on the GPU (bf16 on CPU: the tests' bf16 cases)."""
-    return runtime.pick(cpu=(torch.float32, torch.float16), gpu=(torch.float32, torch.bfloat16))
-
-
-def run_case(case: CheckCase) -> CheckResult:
-    """Run one check; its printed lines (see :mod:`liger_lab.checks`) become the result's detail."""
-    printed, errors = io.StringIO(), []
-    try:
-        with contextlib.redirect_stdout(printed):
-            ok = checks.check_against_reference(
-                case.op,
-                case.fn,
-                case.reference,
-                case.inputs,
-                input_names=case.input_names,
-                tol=case.tol,
-                errors=errors,
-            )
-    except Exception as error:  # a kernel that raises is a failed check, not a crashed command
-        return CheckResult(
-            case.op, DTYPE_NAMES[case.dtype], str(case.shape), None, "FAIL", f"{type(error).__name__}: {error}"
-        )
-    worst = max(errors) if errors else None
-    status = "PASS" if ok else "FAIL"
-    return CheckResult(case.op, DTYPE_NAMES[case.dtype], str(case.shape), worst, status, printed.getvalue().strip())
-
-
-def run_checks(ops: Sequence[str] = CHECK_OPS, dtypes: Sequence[torch.dtype] | None = None) -> list[CheckResult]:
-    """Check every op in every dtype against its float64 reference."""
-    dtypes = check_dtypes() if dtypes is None else dtypes
-    todo = [(op, dtype) for op in ops for dtype in dtypes]
-    results = []
-    for op, dtype in tqdm(todo, desc="checking", unit="check", disable=None, leave=False):
-        results.append(run_case(_case(op, dtype)))
-    return results
-
-
-def format_checks(results: Sequence[CheckResult]) -> str:
-    lines = [f"{'op':<28}{'dtype':<7}{'shape':<24}{'worst rel err':>14}  result"]
-    for r in results:
-        err = "" if r.worst_rel_error is None else f"{r.worst_rel_error:.1e}"
-        lines.append(f"{r.op:<28}{r.dtype:<7}{r.shape:<24}{err:>14}  {r.status}")
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ tokens of the config's vocabulary, the same for both models. Five stages, each p
 3. **Every replaced module against its original**, on the inputs it received in one forward of the model
    (captured by forward pre-hooks): the output and the gradient of every input that carried one in the model and
    of every parameter, each against the original module run in float64. The tolerance is the dtype's
-   (:data:`liger_lab.checks.TOLERANCE`), raised to twice transformers' own error at that dtype where transformers'
-   module is less exact than that (a bf16 decoder layer can be). The loss is checked the same way: the patched
-   model's fused loss and transformers' (``lm_head`` and cross-entropy) on the final hidden states.
+   (:data:`liger_lab.workbook.checks.TOLERANCE`), raised to twice transformers' own error at that dtype where
+   transformers' module is less exact than that (a bf16 decoder layer can be). The loss is checked the same way: the
+   patched model's fused loss and transformers' (``lm_head`` and cross-entropy) on the final hidden states.
 4. **The patched training step**: tokens/s, peak memory and the phase it is in, its profile beside the unpatched
    one (where the time went, and whether the host now holds it), the loss of every step against the unpatched
    model's (same weights, seed and data; :func:`liger_lab.e2e.compare_losses`, relative tolerance the dtype's
@@ -79,7 +79,7 @@ from torch.utils import _pytree as pytree
 
 import liger_lab
 from liger_lab import e2e, hf, runtime
-from liger_lab.cli import CheckCase, run_case
+from liger_lab.op_checks import CheckCase, run_case
 from liger_lab.workbook import checks
 
 if TYPE_CHECKING:
@@ -808,7 +808,8 @@ class DoctorResult:
         for run in ("unpatched", "patched"):
             data[run]["peak_phase"] = getattr(self, run).peak_phase
         verdict = [dict(zip(("what", "result", "figures"), row, strict=True)) for row in self.verdict()]
-        # The environment at the top level as well, as every row of benchmarks/results/ carries it (liger_lab.results).
+        # The environment at the top level as well, as every row of benchmarks/results/ carries it
+        # (liger_lab.workbook.results).
         return {**self.environment, **data, "verdict": verdict, "ok": self.ok}
 
     def __str__(self) -> str:
@@ -1045,7 +1046,7 @@ def doctor(
 
 
 class _CallableModule(types.ModuleType):
-    """This module, callable: ``liger_lab.doctor(model, ...)`` is :func:`doctor` (the package imports it on use)."""
+    """This module, callable: after ``import liger_lab.doctor``, ``liger_lab.doctor(model, ...)`` is :func:`doctor`."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> DoctorResult:
         return doctor(*args, **kwargs)

@@ -17,9 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference
-from liger_lab.ops.table import OPS
+from liger_lab.op_table import OPS
 from liger_lab.runtime import device
+from liger_lab.workbook.checks import check_against_reference
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
@@ -48,8 +48,8 @@ def check_op(
     **options: object,
 ) -> bool:
     """``liger_lab.<name>(*inputs, **options)`` and the gradient of each of its differentiable inputs against
-    ``liger_lab.reference.<name>`` in float64 (:func:`liger_lab.checks.check_against_reference`), the inputs in the
-    order and under the names of the op's table row (``liger_lab.ops.table.OPS``). The inputs the row does not list
+    ``liger_lab.reference.<name>`` in float64 (:func:`liger_lab.workbook.checks.check_against_reference`), the inputs in
+    the order and under the names of the op's table row (``liger_lab.op_table.OPS``). The inputs the row does not list
     as differentiable (targets, a teacher's logits, RoPE tables) are constants of the call, given to the reference in
     float64 as they are. ``prepare`` turns each checked input into what both calls receive (a layout, a non-leaf).
     Options the reference does not take (``in_place_backward``, a chunk size) go to liger_lab's call alone."""

@@ -26,8 +26,8 @@ import liger_lab
 from liger_lab import runtime
 from liger_lab.hf.families import _modeling
 from liger_lab.hf.registry import _original
+from liger_lab.op_table import OPS, OpSpec
 from liger_lab.ops.operators import kernels_under_compile
-from liger_lab.ops.table import OPS, OpSpec
 
 MODES = {"dynamic": True, "automatic": None}
 """``torch.compile``'s ``dynamic``: symbolic sizes from the first call, or the default (from the first change)."""

@@ -16,8 +16,8 @@ from test_host_sync import HostReads
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference
 from liger_lab.ops import preference
+from liger_lab.workbook.checks import check_against_reference
 
 B, T, H, V = 3, 7, 16, 500
 N = 6
@@ -236,7 +236,7 @@ def test_cpo_return_logps(loss_type):
 
 
 def test_table_rows_and_exports():
-    from liger_lab.ops.table import OPS
+    from liger_lab.op_table import OPS
 
     for loss in ("kto", "cpo"):
         assert f"fused_linear_{loss}" in liger_lab.__all__ and f"fused_linear_{loss}" in OPS

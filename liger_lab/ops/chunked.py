@@ -39,7 +39,7 @@ autograd will ask for (:func:`needed_grads`), the chunk rule (:func:`rows_per_ch
    ``ChunkGrads.asked(needs, ...)``, and writes its loss and the factor the gradients still owe. Beside it a
    :class:`FusedLoss` names the operator for :func:`run_loss`, which the public function calls after its
    validation: ``run_loss(loss, tensors, (*options, accumulation, needs))``.
-3. *A row* of :data:`liger_lab.ops.table.OPS`: its inputs, shapes, FLOPs and operators (its own, then
+3. *A row* of :data:`liger_lab.op_table.OPS`: its inputs, shapes, FLOPs and operators (its own, then
    ``scale_rows`` and ``scale_rows_``), which the generic tests (opcheck, torch.compile, host reads, launch
    devices, second derivatives) and the benchmarks read.
 
