@@ -15,16 +15,17 @@ stepping on the whole batch. Two kinds of run:
 * ``cases`` (:data:`CASES`): a tiny patched Llama under DDP or FSDP2, and what ``lm_head.weight`` is at each
   point of the step (a shard, or the full weight);
 * ``head_losses``: functions ``loss(head, hidden, target)`` from the hidden states to the loss, each run by a small
-  model whose ``lm_head`` (with a bias) is an FSDP2 unit of its own. They travel to the processes as source
-  (a function defined in a notebook cannot be pickled), and may use ``torch``, ``liger_lab``, ``patching`` and
-  ``DTensor``. Each is first run here, on the model unsharded, so a function that fails does so with its
-  traceback in this process.
+  model whose ``lm_head`` (with a bias) is an FSDP2 unit of its own. They travel to the processes as source (a function
+  defined in a notebook cannot be pickled), and may use ``torch``, ``liger_lab``, ``hf`` (``liger_lab.hf``;
+  ``patching``, its old name, for a function written against it) and ``DTensor``. Each is first run here, on the model
+  unsharded, so a function that fails does so with its traceback in this process.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import inspect
 import json
 import os
@@ -42,7 +43,7 @@ import torch
 from torch import nn
 
 import liger_lab
-from liger_lab import e2e, patching, runtime
+from liger_lab import e2e, hf, runtime
 
 WORLD = 2
 BATCH, SEQ, VOCAB = 4, 12, 96
@@ -337,7 +338,9 @@ def _llama_reference(rank_device: torch.device) -> dict[str, Any]:
 def _load_function(name: str, source: str) -> Callable:
     from torch.distributed.tensor import DTensor
 
-    namespace = {"torch": torch, "liger_lab": liger_lab, "patching": patching, "DTensor": DTensor}
+    namespace = {"torch": torch, "liger_lab": liger_lab, "hf": hf, "DTensor": DTensor}
+    if "patching" in source:  # a function written against the old name of liger_lab.hf
+        namespace["patching"] = importlib.import_module("liger_lab.patching")
     exec(compile(source, f"<{name}>", "exec"), namespace)  # the source of a function the caller wrote
     return namespace[name]
 

@@ -3,7 +3,8 @@
 A model pickled before the split names its fused classes ``liger_lab.patching.Fused...`` and its own forward
 ``liger_lab.patching._BoundForward``; code and notebooks name ``patching.FAMILIES``, ``patching.report``,
 ``patching._loss_forward``. Every name that the single module had is found here, in the module of
-:mod:`liger_lab.hf` that holds it now. New code imports from :mod:`liger_lab.hf`.
+:mod:`liger_lab.hf` that holds it now. This old path is kept only for those pickles and old code: new code imports
+:mod:`liger_lab.hf`, and nothing in the repository imports this path.
 """
 
 from liger_lab.hf import FAMILIES, PatchReport, api, families, loss, modules, patch, registry, unpatch

@@ -1,4 +1,3 @@
-import importlib
 import linecache
 import traceback
 
@@ -76,17 +75,6 @@ def test_the_upstream_gradient_keeps_half_precision_gradients_normal():
         assert upstream.dtype == dtype
         assert upstream.abs().min() >= 1.25 and upstream.abs().max() <= 2.0
         assert (upstream > 0).any() and (upstream < 0).any()
-
-
-def test_the_old_module_paths_are_the_moved_modules():
-    """The aliases kept for old imports (no module of the repository imports them: tests/test_imports.py) give the
-    moved modules themselves."""
-    from liger_lab.workbook import chapters, diagrams, results
-
-    moved = {"checks": checks, "exercises": exercises, "chapters": chapters, "diagrams": diagrams, "results": results}
-    assert {name: importlib.import_module(f"liger_lab.{name}") for name in moved} == moved
-    old = {name: importlib.import_module(f"liger_lab.{name}") for name in moved}
-    assert old["checks"].check_against_reference is checks.check_against_reference
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ from test_patching import (  # noqa: F401  (fused_calls: a fixture)
 
 import liger_lab
 from liger_lab import hf, runtime
-from liger_lab.checks import relative_l2_error
 from liger_lab.hf.families import _modeling
+from liger_lab.workbook.checks import relative_l2_error
 
 transformers = pytest.importorskip("transformers")
 

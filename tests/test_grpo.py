@@ -11,8 +11,8 @@ from helpers import LargestNewTensor, OpCalls, randn
 
 import liger_lab
 from liger_lab import formulas, reference, runtime
-from liger_lab.checks import check_against_reference
 from liger_lab.ops import chunked, grpo
+from liger_lab.workbook.checks import check_against_reference
 
 B, T, H, V = 3, 7, 16, 40
 LOSS_TYPES = formulas.LOSS_TYPES

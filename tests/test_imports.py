@@ -7,7 +7,10 @@ kept for old imports and pickles only: nothing in the repository imports them.
 """
 
 import ast
+import importlib
 import pathlib
+
+import pytest
 
 import liger_lab
 
@@ -167,3 +170,27 @@ def test_the_hf_files_import_only_those_below():
         imported = {name for name in GRAPH[f"liger_lab.hf.{stem}"] if name.startswith("liger_lab.hf")}
         below = {f"liger_lab.hf.{other}" for other in HF_ORDER[:index]}
         assert imported <= below, f"{stem}.py imports {sorted(imported - below)}"
+
+
+def repository_files() -> list[pathlib.Path]:
+    return [
+        path
+        for folder in ("liger_lab", "tests", "benchmarks", "scripts")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if module_name(path) not in ALIASES
+    ]
+
+
+@pytest.mark.parametrize("path", repository_files(), ids=lambda path: str(path.relative_to(ROOT)))
+def test_no_file_imports_an_old_path(path):
+    package = package_of(module_name(path)) if path.is_relative_to(PACKAGE) else None
+    old = sorted(imports(path, package) & set(ALIASES))
+    assert not old, f"import {', '.join(ALIASES[name] for name in old)} instead of {', '.join(old)}"
+
+
+@pytest.mark.parametrize("old", sorted(ALIASES))
+def test_an_old_path_is_its_new_module_and_says_why_it_is_kept(old):
+    module = importlib.import_module(old)
+    assert module is importlib.import_module(ALIASES[old]) or old == "liger_lab.patching"
+    text = " ".join(ast.get_docstring(ast.parse(MODULES[old].read_text())).split())
+    assert "old" in text and "new code imports" in text.lower(), f"{old}'s docstring: {text}"

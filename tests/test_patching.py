@@ -16,12 +16,12 @@ from tiny_vlms import tiny_vlm
 
 import liger_lab
 from liger_lab import hf, runtime
-from liger_lab.checks import relative_l2_error
 from liger_lab.hf.families import _modeling
 from liger_lab.hf.loss import _REPORTED_FALLBACKS
 from liger_lab.hf.registry import _original
 from liger_lab.ops import fused_linear_cross_entropy as flce_ops
 from liger_lab.ops import rope as rope_ops
+from liger_lab.workbook.checks import relative_l2_error
 
 transformers = pytest.importorskip("transformers")
 

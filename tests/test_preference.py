@@ -11,9 +11,9 @@ from helpers import LargestNewTensor, randn, row_strided
 
 import liger_lab
 from liger_lab import formulas, reference, runtime
-from liger_lab.checks import check_against_reference
 from liger_lab.nn import FusedLinearDPOLoss, FusedLinearORPOLoss, FusedLinearSimPOLoss
 from liger_lab.ops import preference
+from liger_lab.workbook.checks import check_against_reference
 
 B, T, H, V = 3, 7, 16, 1000
 LOSSES = ("dpo", "orpo", "simpo")

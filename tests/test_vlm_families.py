@@ -24,10 +24,10 @@ from tiny_vlms import CONFIGS, image_batch, tiny_vlm
 
 import liger_lab
 from liger_lab import hf
-from liger_lab.checks import relative_l2_error
 from liger_lab.hf.families import _modeling
 from liger_lab.hf.registry import _original
 from liger_lab.ops import rope as rope_ops
+from liger_lab.workbook.checks import relative_l2_error
 
 transformers = pytest.importorskip("transformers")
 

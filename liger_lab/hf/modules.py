@@ -39,9 +39,9 @@ from liger_lab.hf.registry import (
     _PieceKind,
 )
 from liger_lab.nn.mlp import GeGLUMLP, SwiGLUMLP, outputs_observed
+from liger_lab.ops import glu as glu_ops
 from liger_lab.ops import rms_norm as rms_norm_ops
 from liger_lab.ops import rope as rope_ops
-from liger_lab.ops import swiglu as glu_ops
 
 _ROPE_FUNCTION = "apply_rotary_pos_emb"
 """The modeling module's free function that its attention calls by name, and that the dispatcher replaces."""

@@ -18,7 +18,7 @@ from liger_lab.hf.families import _family
 from liger_lab.hf.loss import _fused_head, _patched_forward
 from liger_lab.hf.modules import _experts_fallback, _gated_kernel
 from liger_lab.hf.registry import _PIECE_KINDS, _UNFUSED
-from liger_lab.ops import swiglu as glu_ops
+from liger_lab.ops import glu as glu_ops
 
 
 @dataclass(frozen=True)
