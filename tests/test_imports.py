@@ -194,3 +194,32 @@ def test_an_old_path_is_its_new_module_and_says_why_it_is_kept(old):
     assert module is importlib.import_module(ALIASES[old]) or old == "liger_lab.patching"
     text = " ".join(ast.get_docstring(ast.parse(MODULES[old].read_text())).split())
     assert "old" in text and "new code imports" in text.lower(), f"{old}'s docstring: {text}"
+
+
+def private_names_taken(path: pathlib.Path) -> list[str]:
+    """The underscore names a file takes from another module of liger_lab: imported, or read off an imported
+    module (``registry._UNFUSED``)."""
+    tree = ast.parse(path.read_text())
+    modules, taken = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").partition(".")[0] == "liger_lab":
+            taken += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            modules |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in MODULES}
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname or a.name for a in node.names if a.name.partition(".")[0] == "liger_lab"}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+        ):
+            taken.append(f"{node.value.id}.{node.attr}")
+    return taken
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "hf").glob("*.py")), ids=lambda path: path.name)
+def test_the_hf_files_take_no_private_name_of_another_module(path):
+    """What one file of the Hugging Face layer uses of another is that file's public surface."""
+    assert private_names_taken(path) == []
