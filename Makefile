@@ -26,7 +26,7 @@ test: torch
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check liger_lab tests benchmarks
-	$(BIN)/python -m liger_lab.chapters --check
+	$(BIN)/python -m liger_lab.workbook.chapters --check
 	$(BIN)/pytest -q -n 2 --dist loadscope tests solutions --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
 
 lint: torch
@@ -34,7 +34,7 @@ lint: torch
 	$(BIN)/ruff format --check liger_lab tests benchmarks
 
 chapters:
-	$(BIN)/python -m liger_lab.chapters
+	$(BIN)/python -m liger_lab.workbook.chapters
 
 workbook: torch
 	$(BIN)/pip install -q -e ".[notebooks]"

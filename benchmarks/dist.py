@@ -26,7 +26,19 @@ import torch
 import torch.distributed as dist
 
 import liger_lab  # noqa: F401  (chooses GPU or interpreter before triton is imported)
-from liger_lab import distributed, e2e, runtime
+from liger_lab import distributed, runtime
+from liger_lab.e2e.isolation import environment_of
+from liger_lab.e2e.presets import MODEL_SIZES, llama_config
+from liger_lab.e2e.training import (
+    apply_mode,
+    build_model,
+    make_optimizer,
+    peak_memory_gib,
+    random_batch,
+    reset_peak_memory,
+    result_row,
+    train_step,
+)
 from liger_lab.workbook import results
 
 FSDP = "fully_shard: layers, lm_head, root"
@@ -37,32 +49,32 @@ def worker(args: argparse.Namespace) -> None:
 
     _, backend = distributed.join_processes(timeout_s=120)
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = e2e.llama_config(args.model)
-    model = e2e.apply_mode(e2e.build_model(config, seed=0), args.mode)
+    config = llama_config(args.model)
+    model = apply_mode(build_model(config, seed=0), args.mode)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model.lm_head)
     fully_shard(model)
-    optimizer = e2e.make_optimizer(model, lr=1e-4)
+    optimizer = make_optimizer(model, lr=1e-4)
     for seq in sorted(int(s) for s in args.seqs.split(",")):
-        tokens = e2e.random_batch(config, args.batch, seq, seed=rank)
-        e2e.reset_peak_memory()
+        tokens = random_batch(config, args.batch, seq, seed=rank)
+        reset_peak_memory()
         try:
-            losses = [e2e.train_step(model, optimizer, tokens).item()]  # warm-up
+            losses = [train_step(model, optimizer, tokens).item()]  # warm-up
             runtime.synchronize()
             start = time.perf_counter()
             for _ in range(args.steps):
-                losses.append(e2e.train_step(model, optimizer, tokens).item())
+                losses.append(train_step(model, optimizer, tokens).item())
             runtime.synchronize()
         except torch.OutOfMemoryError:
             if rank == 0:
                 print(json.dumps({"impl": args.mode, "seq": seq, "gpus": world, "error": "out of memory", "oom": True}))
             break
         seconds = time.perf_counter() - start
-        peak = torch.tensor([e2e.peak_memory_gib() or 0.0], device=runtime.DEVICE if backend == "nccl" else "cpu")
+        peak = torch.tensor([peak_memory_gib() or 0.0], device=runtime.DEVICE if backend == "nccl" else "cpu")
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         if rank == 0:
-            row = e2e.result_row(args.mode, config, args.batch, seq, gpus=world, fsdp=FSDP,
+            row = result_row(args.mode, config, args.batch, seq, gpus=world, fsdp=FSDP,
                            tokens_per_s_per_gpu=round(args.batch * seq * args.steps / seconds),
                            peak_gib_max_gpu=None if runtime.INTERPRET else round(peak.item(), 2),
                            losses=[round(x, 4) for x in losses], timer="wall clock, synchronised")  # fmt: skip
@@ -102,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--modes", default="hf,liger_lab")
-    parser.add_argument("--model", default="8b", choices=list(e2e.MODEL_SIZES))
+    parser.add_argument("--model", default="8b", choices=list(MODEL_SIZES))
     parser.add_argument("--seqs", default="4096", help="sequence lengths, comma-separated, tried from the shortest")
     parser.add_argument("--mode", default="liger_lab", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help="sequences per GPU")
@@ -120,7 +132,7 @@ def main() -> None:
         fitting = [r["seq"] for r in rows if r.get("impl") == mode and "error" not in r]
         print(f"{mode}: largest sequence that trains at batch {args.batch} per GPU: {max(fitting, default=None)}")
         if args.json:  # after every mode, so a run cut short keeps what it measured
-            results.write_rows(rows, args.json, environment=e2e.environment_of(rows))
+            results.write_rows(rows, args.json, environment=environment_of(rows))
 
 
 if __name__ == "__main__":

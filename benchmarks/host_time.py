@@ -34,7 +34,7 @@ import torch
 
 import liger_lab  # first: it chooses the GPU or Triton's interpreter before triton is imported
 from liger_lab import runtime
-from liger_lab.ops.table import OPS, OpSpec
+from liger_lab.op_table import OPS, OpSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "cpu-host-time.json"

@@ -42,9 +42,9 @@ from torch import nn
 
 import liger_lab
 from benchmarks.run import default_name
-from liger_lab import bench, hf, profiling, runtime
-from liger_lab.checks import relative_l2_error
+from liger_lab import hf, profiling, runtime
 from liger_lab.workbook import results
+from liger_lab.workbook.checks import relative_l2_error
 
 IMPLS = {"transformers": "eager", "liger_lab": "eager", "transformers grouped_mm": "grouped_mm"}
 """Each row's implementation -> the experts_implementation it runs with."""
@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not runtime.INTERPRET:
         estimate = sum(block.estimate_s() for block in todo)
         print(f"estimated {estimate / 60:.1f} min on an H200 (startup aside)", flush=True)
-    environment = {**bench.environment(), "transformers": transformers.__version__}
+    environment = {**profiling.environment(), "transformers": transformers.__version__}
     rows: list[dict] = []
     start = time.perf_counter()
     for block in todo:

@@ -16,14 +16,16 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from liger_lab import e2e
+from liger_lab.e2e.isolation import environment_of, run_isolated
+from liger_lab.e2e.presets import MODEL_SIZES
+from liger_lab.e2e.reports import error_summary
 from liger_lab.workbook import results
 
 
 def format_profile(row: dict) -> str:
     """One mode's profile: the step, its kernel time by kind, and the bound."""
     if "by_category_ms" not in row:
-        return f"{row['impl']}: {row.get('note') or e2e.error_summary(row.get('error', 'no profile'))}"
+        return f"{row['impl']}: {row.get('note') or error_summary(row.get('error', 'no profile'))}"
     kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in row["by_category_ms"].items())
     return (f"{row['impl']}: step {row['step_ms']:.1f} ms, kernels {row['kernel_ms']:.1f} ms ({kinds}); "
             f"{row['bound_if_fused_took_zero']:.3f}x if the fused kernels took no time")  # fmt: skip
@@ -32,17 +34,17 @@ def format_profile(row: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="liger_lab,liger")
-    parser.add_argument("--model", choices=sorted(e2e.MODEL_SIZES), default="1.5b")
+    parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="1.5b")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rows = []
     for mode in args.modes.split(","):
-        rows.append(e2e.run_isolated("profile", mode=mode, model=args.model, batch=args.batch, seq=args.seq, steps=3))
+        rows.append(run_isolated("profile", mode=mode, model=args.model, batch=args.batch, seq=args.seq, steps=3))
         print(format_profile(rows[-1]), flush=True)
     if args.json:
-        results.write_rows(rows, args.json, environment=e2e.environment_of(rows))
+        results.write_rows(rows, args.json, environment=environment_of(rows))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from tqdm import tqdm  # noqa: E402
 
 import liger_lab  # noqa: E402, F401  (chooses GPU or interpreter before triton is imported)
 from liger_lab import bench, profiling, runtime  # noqa: E402
-from liger_lab.ops.table import OPS as TABLE  # noqa: E402
+from liger_lab.op_table import OPS as TABLE  # noqa: E402
 from liger_lab.workbook.results import write_rows  # noqa: E402
 
 NORMS = ("rms_norm", "layer_norm")
@@ -117,7 +117,7 @@ def plot_sweep(rows: Sequence[dict], copy_gbs: float | None):
 
 
 def default_name(quick: bool) -> str:
-    gpu = bench.environment()["gpu"]
+    gpu = profiling.environment()["gpu"]
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower().split("(")[0]).strip("-") or "device"
     return slug + ("-quick" if quick else "")
 

@@ -23,7 +23,7 @@ import torch
 
 import liger_lab  # noqa: F401  (chooses GPU or interpreter before triton is imported)
 from liger_lab import bench, profiling, runtime
-from liger_lab.ops.table import OPS as TABLE
+from liger_lab.op_table import OPS as TABLE
 from liger_lab.workbook import results
 
 VARIANTS = sorted({variant for spec in TABLE.values() for variant in spec.variants})

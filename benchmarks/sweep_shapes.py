@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(jobs)} shapes, {measurements} measurements to go ({len(done)} rows already in {args.json}): about "
           f"{sum(map(job_s, jobs)):.0f} s on an H200, budget {args.budget_s:.0f} s", flush=True)  # fmt: skip
 
-    environment = bench.environment()
+    environment = profiling.environment()
     left, new_rows = list(jobs), []
     # Measured over estimated time so far: a cold compile cache, or another GPU, scales every estimate alike.
     scale, spent, estimated = 1.0, 0.0, 0.0

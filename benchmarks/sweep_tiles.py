@@ -37,8 +37,8 @@ import torch
 
 import liger_lab  # noqa: F401  (chooses GPU or interpreter before triton is imported)
 from liger_lab import profiling, runtime
-from liger_lab.ops import cross_entropy, jsd, layer_norm, rms_norm, rope, swiglu
-from liger_lab.ops.table import OPS as TABLE
+from liger_lab.op_table import OPS as TABLE
+from liger_lab.ops import cross_entropy, glu, jsd, layer_norm, rms_norm, rope
 from liger_lab.workbook import results
 
 triton = runtime.triton  # the module liger_lab.runtime imported once it had chosen GPU or interpreter
@@ -259,8 +259,8 @@ def glu_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> list[Case]
     n = gate.numel()
 
     def launch_with(launch: runtime.ElementwiseLaunch) -> tuple[torch.Tensor, ...]:
-        out = swiglu.glu_forward(gate, up, "silu", launch=launch)
-        return out, *swiglu.glu_backward(dout, gate, up, "silu", in_place=False, launch=launch)
+        out = glu.glu_forward(gate, up, "silu", launch=launch)
+        return out, *glu.glu_backward(dout, gate, up, "silu", in_place=False, launch=launch)
 
     blocks = [
         (f"block={block} warps={warps}", runtime.ElementwiseLaunch(block, warps, triton.cdiv(n, block)))

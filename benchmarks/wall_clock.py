@@ -35,7 +35,18 @@ from pathlib import Path
 import torch
 
 import liger_lab  # noqa: F401  (first: it chooses the GPU or the interpreter before triton is imported)
-from liger_lab import bench, e2e, runtime
+from liger_lab import bench, profiling, runtime
+from liger_lab.e2e.presets import model_config
+from liger_lab.e2e.training import (
+    MODES,
+    apply_mode,
+    build_model,
+    make_optimizer,
+    peak_memory_gib,
+    random_batch,
+    reset_peak_memory,
+    train_step,
+)
 from liger_lab.ops import operators
 from liger_lab.runtime import device
 from liger_lab.workbook import results
@@ -54,7 +65,7 @@ HOST_BOUND_SHAPES = {
 Report = Callable[[dict], None]
 IMPLS = ("liger_lab", "liger", "eager")
 LENGTHS = tuple(range(384, 1537, 128))
-E2E_RUNS = tuple((mode, batch, seq, {}) for batch, seq in ((4, 1024), (8, 512)) for mode in e2e.MODES)
+E2E_RUNS = tuple((mode, batch, seq, {}) for batch, seq in ((4, 1024), (8, 512)) for mode in MODES)
 VARIANT_RUNS = (
     ("liger_lab+compile", 4, 1024, {"kernels": True}),
     ("liger_lab", 4, 1024, {"chunk": 1024}),
@@ -123,20 +134,20 @@ def step_row(mode: str, batch: int, seq: int, *, chunk: int | None, kernels: boo
     """One training run of the small preset in ``mode`` (this process only: patching is global)."""
     from torch._dynamo.utils import counters
 
-    config = e2e.model_config("small")
+    config = model_config("small")
     label = mode + (":kernels" if kernels else "") + (f":chunk={chunk}" if chunk else "")
     row: dict = {"op": "e2e_lengths" if lengths else "e2e", "model": "small", "impl": label, "batch": batch}
     with operators.kernels_under_compile() if kernels else contextlib.nullcontext():
-        model = e2e.build_model(config)
-        e2e.apply_mode(model, mode, loss_chunk_tokens=chunk)
-        optimizer = e2e.make_optimizer(model, 1e-4)
+        model = build_model(config)
+        apply_mode(model, mode, loss_chunk_tokens=chunk)
+        optimizer = make_optimizer(model, 1e-4)
         if lengths:
             times = []
             for length in LENGTHS + LENGTHS:
-                tokens = e2e.random_batch(config, batch, length, length)
+                tokens = random_batch(config, batch, length, length)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-                loss = e2e.train_step(model, optimizer, tokens)
+                loss = train_step(model, optimizer, tokens)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
             second = times[len(LENGTHS) :]
@@ -144,19 +155,19 @@ def step_row(mode: str, batch: int, seq: int, *, chunk: int | None, kernels: boo
                        ms_per_step=round(1e3 * sum(second) / len(second), 2),
                        graphs=counters["stats"]["unique_graphs"], loss_last=round(loss.item(), 4))  # fmt: skip
             return row
-        tokens = e2e.random_batch(config, batch, seq, 0)
-        losses = [e2e.train_step(model, optimizer, tokens) for _ in range(3)]
+        tokens = random_batch(config, batch, seq, 0)
+        losses = [train_step(model, optimizer, tokens) for _ in range(3)]
         torch.cuda.synchronize()
         graphs = counters["stats"]["unique_graphs"]
-        e2e.reset_peak_memory()
+        reset_peak_memory()
         steps = 20
         start, cpu = time.perf_counter(), time.process_time()
-        losses += [e2e.train_step(model, optimizer, tokens) for _ in range(steps)]
+        losses += [train_step(model, optimizer, tokens) for _ in range(steps)]
         cpu = time.process_time() - cpu
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        peak = e2e.peak_memory_gib()
-        gpu_ms = runtime.measure_kernel_sum_ms(lambda: e2e.train_step(model, optimizer, tokens), calls=2)
+        peak = peak_memory_gib()
+        gpu_ms = runtime.measure_kernel_sum_ms(lambda: train_step(model, optimizer, tokens), calls=2)
     row.update(seq=seq, ms_per_step=round(1e3 * elapsed / steps, 2), tokens_per_s=round(batch * seq * steps / elapsed),
                peak_gib=peak, host_ms_per_step=round(1e3 * cpu / steps, 2), gpu_ms_per_step=round(gpu_ms, 2),
                graphs=graphs, timed_compiles=counters["stats"]["unique_graphs"] - graphs,
@@ -178,7 +189,7 @@ def e2e_rows(report: Report, *, variants: bool = False, sizes: list[str] | None 
     for mode, batch, seq, options in E2E_RUNS + (VARIANT_RUNS if variants else ()):
         if sizes and f"{batch}x{seq}" not in sizes:
             continue
-        if mode.startswith("liger+") or (mode == "liger" and not bench.liger_kernel_installed()):
+        if mode.startswith("liger+") or (mode == "liger" and not profiling.liger_kernel_installed()):
             continue
         args = ["--mode", mode, "--batch", str(batch), "--seq", str(seq)]
         args += ["--chunk", str(options["chunk"])] if "chunk" in options else []
@@ -199,7 +210,7 @@ def environment() -> dict:
     clocks = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,clocks.mem", "--format=csv,noheader"],
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     commit = os.environ.get("LIGER_LAB_COMMIT") or results.commit()
-    return {**bench.environment(), "transformers": transformers.__version__, "clocks_sm_max_mem": clocks,
+    return {**profiling.environment(), "transformers": transformers.__version__, "clocks_sm_max_mem": clocks,
             "timer": "synchronized_loop",
             "time": time.strftime("%H:%M UTC", time.gmtime()), "commit": commit}  # fmt: skip
 
@@ -209,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("part", choices=("ops", "e2e", "lengths", "step"))
     parser.add_argument("--json", type=Path, help="write the rows here (a JSON list, rewritten as each row comes)")
     parser.add_argument("--ops", nargs="*", default=list(HOST_BOUND_SHAPES))
-    parser.add_argument("--mode", choices=e2e.MODES)
+    parser.add_argument("--mode", choices=MODES)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--chunk", type=int)

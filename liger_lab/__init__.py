@@ -2,12 +2,15 @@
 
 ``import liger_lab`` picks where kernels run (see :mod:`liger_lab.runtime`): the GPU when CUDA is
 available, Triton's interpreter on CPU tensors otherwise.
+
+The root exposes the library: the ops, ``patch`` for Hugging Face models and ``patch_trl`` for TRL's trainers. It
+imports nothing above them (CONTRIBUTING.md lists the layers): the teaching layer is ``liger_lab.workbook``, the
+tools are imported by their own names (``import liger_lab.doctor``, ``liger_lab.bench``, ``liger_lab.cli``).
 """
 
 import warnings
 
 from liger_lab import runtime
-from liger_lab.workbook import exercises
 
 try:  # tells DTensor how to run the ops shard by shard (tensor and sequence parallelism)
     from liger_lab.ops import sharding  # noqa: F401
@@ -17,6 +20,7 @@ from liger_lab.hf import patch, patch_report, unpatch
 from liger_lab.ops.cross_entropy import cross_entropy
 from liger_lab.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
+from liger_lab.ops.glu import geglu, swiglu
 from liger_lab.ops.grpo import fused_linear_grpo
 from liger_lab.ops.jsd import jsd
 from liger_lab.ops.layer_norm import layer_norm
@@ -31,7 +35,6 @@ from liger_lab.ops.preference import (
 )
 from liger_lab.ops.rms_norm import add_rms_norm, rms_norm
 from liger_lab.ops.rope import apply_rotary_pos_emb, rope
-from liger_lab.ops.swiglu import geglu, swiglu
 from liger_lab.trl_head import patch_trl, unpatch_trl
 
 __version__ = "0.1.0"
@@ -39,7 +42,6 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "apply_rotary_pos_emb",
-    "exercises",
     "layer_norm",
     "rms_norm",
     "add_rms_norm",
@@ -50,7 +52,6 @@ __all__ = [
     "geglu",
     "patch",
     "patch_report",
-    "doctor",
     "unpatch",
     "patch_trl",
     "unpatch_trl",
@@ -66,14 +67,3 @@ __all__ = [
     "fused_linear_logprobs",
     "fused_linear_grpo",
 ]
-
-
-def __getattr__(name: str) -> object:
-    """``liger_lab.doctor`` on first use: the module is callable, ``liger_lab.doctor(model, ...)`` runs it. It imports
-    the benchmark and the CLI, which ``import liger_lab`` does not: a module imported with the package would run
-    twice, and warn, as ``python -m liger_lab.e2e``."""
-    if name == "doctor":
-        import importlib
-
-        return importlib.import_module("liger_lab.doctor")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

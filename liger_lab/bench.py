@@ -5,32 +5,25 @@ interpreter, how to make fresh random inputs, the fewest bytes the op must move,
 implementations exist here: ``liger_lab`` (the public call with no options), ``liger_lab:<variant>``
 (an opt-in such as ``in_place_backward=True``, a row of its own), ``eager`` (the plain PyTorch reference),
 ``torch_compile`` (the same reference through ``torch.compile``, GPU only) and ``liger`` (Liger-Kernel, when
-installed). The ops, shapes and peers come from the one table, :data:`liger_lab.ops.table.OPS`.
+installed). The ops, shapes and peers come from the one table, :data:`liger_lab.op_table.OPS`.
 """
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import json
 import math
-import platform
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import triton
 from tqdm import tqdm
 
-import liger_lab
 from liger_lab import profiling, runtime
-from liger_lab.ops.table import OPS as TABLE
-from liger_lab.ops.table import OpSpec
-
-
-def liger_kernel_installed() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
+from liger_lab.op_table import OPS as TABLE
+from liger_lab.op_table import OpSpec
+from liger_lab.profiling import environment, liger_kernel_installed
 
 
 @dataclass
@@ -149,7 +142,7 @@ OPS: dict[str, OpBench] = {
     )
     for name, spec in TABLE.items()
 }  # fmt: skip
-"""The benchmark of every op of :data:`liger_lab.ops.table.OPS`, by name."""
+"""The benchmark of every op of :data:`liger_lab.op_table.OPS`, by name."""
 
 
 def small_shape(op: OpBench) -> tuple[int, ...]:
@@ -231,9 +224,9 @@ def plot_shape_sweep(rows: Sequence[dict], ours: str = "liger_lab"):
     """One small panel per op: the time of ``ours`` over each peer's at the same shape, against the shape's
     elements (log scale), with a line at 1: a point above it is a shape where ``ours`` is slower.
 
-    ``rows`` are those of ``benchmarks/sweep_shapes.py`` (``liger_lab.results.load`` reads a committed file): op,
-    impl, shape, series (the line a shape belongs to, e.g. "hidden 4096"), elements, gpu_ms and clock. A point
-    whose two rows were timed by different clocks is drawn as a cross.
+    ``rows`` are those of ``benchmarks/sweep_shapes.py`` (``liger_lab.workbook.results.load`` reads a committed file):
+    op, impl, shape, series (the line a shape belongs to, e.g. "hidden 4096"), elements, gpu_ms and clock. A point whose
+    two rows were timed by different clocks is drawn as a cross.
     """
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
@@ -279,22 +272,6 @@ def plot_shape_sweep(rows: Sequence[dict], ours: str = "liger_lab"):
                  fontsize=10)  # fmt: skip
     fig.tight_layout()
     return fig
-
-
-def environment() -> dict:
-    """GPU name, versions and the date (UTC), recorded with every result row."""
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
-        "gpu": torch.cuda.get_device_name() if not runtime.INTERPRET else f"cpu ({platform.processor() or 'unknown'})",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "liger_lab": liger_lab.__version__,
-    }
-    if liger_kernel_installed():
-        from importlib.metadata import version
-
-        info["liger_kernel"] = version("liger-kernel")
-    return info
 
 
 def write_json(results: list[profiling.Result], path: Path, extra: dict | None = None) -> None:

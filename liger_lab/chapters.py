@@ -1,4 +1,5 @@
-"""Old path of :mod:`liger_lab.workbook.chapters`, kept for existing imports."""
+"""Old path of :mod:`liger_lab.workbook.chapters`, kept only so that old imports and notebooks still work: new
+code imports ``liger_lab.workbook.chapters``, and nothing in the repository imports this path."""
 
 from liger_lab.workbook import alias
 

@@ -1,35 +1,47 @@
 """The ``liger-lab`` command line: check the kernels, benchmark them, regenerate the exercises.
 
-The ops come from the one table, :data:`liger_lab.ops.table.OPS`; the functions behind the commands
-(:func:`run_checks`, :func:`liger_lab.bench.run_op_benchmarks`) are importable too.
+The ops come from the one table, :data:`liger_lab.op_table.OPS`; the functions behind the commands
+(:func:`liger_lab.op_checks.run_checks`, :func:`liger_lab.bench.run_op_benchmarks`) are importable too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import os
 import secrets
 import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import torch
-from tqdm import tqdm
 
-from liger_lab import bench, e2e, profiling, runtime
+from liger_lab import bench, profiling, runtime
 from liger_lab.e2e import DTYPES
+from liger_lab.e2e.isolation import environment_of, parse_shape, parse_sizes, run_isolated
+from liger_lab.e2e.memory import count_parameters, format_breakdown, memory_breakdown
+from liger_lab.e2e.presets import MODEL_SIZES, default_dtype, model_config
+from liger_lab.e2e.reports import (
+    RUN_HEADER,
+    TARGET_MODE,
+    check_targets,
+    compare_losses,
+    format_comparison,
+    format_fit,
+    format_losses,
+    format_reference,
+    format_run,
+    format_targets,
+    plot_runs,
+    plot_timelines,
+)
+from liger_lab.e2e.training import MODES, available_modes, base_mode, is_compiled, timer_label
 from liger_lab.hf import FAMILIES
-from liger_lab.ops.table import OPS as TABLE
-from liger_lab.workbook import checks
+from liger_lab.op_checks import CHECK_OPS, format_checks, run_checks
 from liger_lab.workbook.results import write_rows
 
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 IMPLS = list(dict.fromkeys(impl for op in bench.OPS.values() for impl in op.impls))
 
 
@@ -37,107 +49,6 @@ def _repeatable(flag: str, name: str, choices: click.ParamType, help_text: str) 
     """A click option that may be given several times: the command receives the tuple ``name`` of its values
     (empty when it is not given, which each command reads as its default set)."""
     return click.option(flag, name, multiple=True, type=choices, help=help_text)
-
-
-# --------------------------------------------------------------------------------------------------
-# check
-
-
-@dataclass
-class CheckCase:
-    """One op checked in one dtype: fresh inputs, our function and its float64 reference."""
-
-    op: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    fn: Callable[..., object]
-    reference: Callable[..., object]
-    inputs: list[object]
-    input_names: list[str]
-    tol: float | None = None
-    """The op's own tolerance in this dtype, None for :data:`liger_lab.checks.TOLERANCE`'s."""
-
-
-@dataclass
-class CheckResult:
-    op: str
-    dtype: str
-    shape: str
-    worst_rel_error: float | None
-    status: str  # PASS or FAIL
-    detail: str = ""
-
-
-CHECK_OPS = tuple(TABLE)
-
-
-def _case(op: str, dtype: torch.dtype) -> CheckCase:
-    """Fresh inputs for ``op`` from the table: small shapes for the interpreter, larger ones on the GPU.
-    Inputs that are constants of the call (targets, RoPE's cos and sin) are bound, not differentiated;
-    every 7th target is ignored, as padding gives in real batches."""
-    spec = TABLE[op]
-    shape = spec.check_shape()
-    inputs = [v.detach() if isinstance(v, torch.Tensor) else v for v in spec.make_inputs(shape, dtype)]
-    named = dict(zip(spec.input_names, inputs, strict=True))
-    if "target" in named:
-        named["target"][::7] = -100
-    varying = list(spec.differentiable)
-
-    def bind(fn: Callable[..., object]) -> Callable[..., object]:
-        def call(*args: object) -> object:
-            given = {**named, **dict(zip(varying, args, strict=True))}
-            return fn(*(given[name] for name in spec.input_names))
-
-        return call
-
-    checked, tol = [named[n] for n in varying], spec.check_tolerances.get(dtype)
-    return CheckCase(op, dtype, shape, bind(spec.function), bind(spec.reference), checked, varying, tol)
-
-
-def check_dtypes() -> tuple[torch.dtype, ...]:
-    """fp32 and fp16 in the interpreter, fp32 and bf16 on the GPU (bf16 on CPU: the tests' bf16 cases)."""
-    return runtime.pick(cpu=(torch.float32, torch.float16), gpu=(torch.float32, torch.bfloat16))
-
-
-def run_case(case: CheckCase) -> CheckResult:
-    """Run one check; its printed lines (see :mod:`liger_lab.checks`) become the result's detail."""
-    printed, errors = io.StringIO(), []
-    try:
-        with contextlib.redirect_stdout(printed):
-            ok = checks.check_against_reference(
-                case.op,
-                case.fn,
-                case.reference,
-                case.inputs,
-                input_names=case.input_names,
-                tol=case.tol,
-                errors=errors,
-            )
-    except Exception as error:  # a kernel that raises is a failed check, not a crashed command
-        return CheckResult(
-            case.op, DTYPE_NAMES[case.dtype], str(case.shape), None, "FAIL", f"{type(error).__name__}: {error}"
-        )
-    worst = max(errors) if errors else None
-    status = "PASS" if ok else "FAIL"
-    return CheckResult(case.op, DTYPE_NAMES[case.dtype], str(case.shape), worst, status, printed.getvalue().strip())
-
-
-def run_checks(ops: Sequence[str] = CHECK_OPS, dtypes: Sequence[torch.dtype] | None = None) -> list[CheckResult]:
-    """Check every op in every dtype against its float64 reference."""
-    dtypes = check_dtypes() if dtypes is None else dtypes
-    todo = [(op, dtype) for op in ops for dtype in dtypes]
-    results = []
-    for op, dtype in tqdm(todo, desc="checking", unit="check", disable=None, leave=False):
-        results.append(run_case(_case(op, dtype)))
-    return results
-
-
-def format_checks(results: Sequence[CheckResult]) -> str:
-    lines = [f"{'op':<28}{'dtype':<7}{'shape':<24}{'worst rel err':>14}  result"]
-    for r in results:
-        err = "" if r.worst_rel_error is None else f"{r.worst_rel_error:.1e}"
-        lines.append(f"{r.op:<28}{r.dtype:<7}{r.shape:<24}{err:>14}  {r.status}")
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -262,7 +173,7 @@ def bench_group() -> None:
 def _op_shape(op: str, text: str) -> tuple[int, ...]:
     """--shape for ``op``: as many sizes as its protocol shape has."""
     try:
-        sizes = e2e.parse_sizes(text)
+        sizes = parse_sizes(text)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--shape") from None
     expected = bench.OPS[op].shape
@@ -335,10 +246,10 @@ class _Children:
         if self.deadline is not None:
             left = self.deadline - time.monotonic()
             timeout_s = left if timeout_s is None else min(timeout_s, left)
-        row = e2e.run_isolated(task, timeout_s=timeout_s, **options)
+        row = run_isolated(task, timeout_s=timeout_s, **options)
         self.rows.append(row)
         if self.json_path:
-            write_rows(self.rows, self.json_path, environment=e2e.environment_of(self.rows))
+            write_rows(self.rows, self.json_path, environment=environment_of(self.rows))
         return row
 
 
@@ -346,13 +257,13 @@ class _Children:
 @_repeatable(
     "--mode",
     "modes",
-    click.Choice(list(e2e.MODES)),
+    click.Choice(list(MODES)),
     "Training mode (repeatable; default: every one available here). +compile: then torch.compile the model.",
 )
 @_repeatable(
     "--model",
     "models",
-    click.Choice(sorted(e2e.MODEL_SIZES)),
+    click.Choice(sorted(MODEL_SIZES)),
     "Model preset (repeatable) [default: 1.5b on GPU, tiny on CPU].",
 )
 @click.option("--layers", type=click.IntRange(min=1), help="Override the number of decoder layers.")
@@ -376,7 +287,7 @@ class _Children:
 )
 @click.option(
     "--reference",
-    type=click.Choice(list(e2e.MODES)),
+    type=click.Choice(list(MODES)),
     help="Also set every mode against this one (e.g. liger): tokens/s, peak, largest fit, liger_lab's targets.",
 )
 @click.option(
@@ -431,13 +342,13 @@ def bench_e2e(
     models = models or (runtime.pick(cpu="tiny", gpu="1.5b"),)
     sizes = _pair_sizes(batches or [runtime.pick(cpu=2, gpu=8)], seqs or [runtime.pick(cpu=16, gpu=2048)])
     try:
-        candidates = [e2e.parse_shape(s) for s in fit_sizes.split(",") if s]
+        candidates = [parse_shape(s) for s in fit_sizes.split(",") if s]
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--fit") from None
-    missing = [m for m in modes if m not in e2e.available_modes()]
+    missing = [m for m in modes if m not in available_modes()]
     if missing:
         raise click.BadParameter(f"not available in this install: {', '.join(missing)}", param_hint="--mode")
-    modes = modes or tuple(e2e.available_modes())
+    modes = modes or tuple(available_modes())
     if reference is not None and reference not in modes:
         hint = f"{reference} is not a mode of this run: add --mode {reference}"
         raise click.BadParameter(hint, param_hint="--reference")
@@ -445,32 +356,32 @@ def bench_e2e(
     children = _Children(timeout_s, budget_s, json_path)
     common = dict(layers=layers, dtype=dtype, steps=steps, warmup=warmup, compile_backend=compile_backend)
     for model in models:
-        config = e2e.model_config(model, layers=layers)
-        click.echo(f"\nmodel {model}: {config.model_type}, {e2e.count_parameters(config):,} parameters, "
+        config = model_config(model, layers=layers)
+        click.echo(f"\nmodel {model}: {config.model_type}, {count_parameters(config):,} parameters, "
                    f"{config.num_hidden_layers} layers, vocabulary {config.vocab_size}")  # fmt: skip
         if breakdown:
-            _print_breakdown(config, sizes, DTYPES[dtype] if dtype else e2e.default_dtype())
+            _print_breakdown(config, sizes, DTYPES[dtype] if dtype else default_dtype())
         first = len(children.rows)
         _train_model(children, model, modes, sizes, common)
         if candidates:
             for mode in modes:
-                click.echo(e2e.format_fit(children.run("fit", mode=mode, model=model, shapes=candidates, **common)))
+                click.echo(format_fit(children.run("fit", mode=mode, model=model, shapes=candidates, **common)))
         if timeline_path:
             batch, seq = sizes[0]
             for mode in modes:
                 children.run("timeline", mode=mode, model=model, batch=batch, seq=seq, **common)
         if reference is not None:
             for batch, seq in sizes:
-                click.echo(e2e.format_reference(children.rows[first:], reference, modes, batch=batch, seq=seq))
+                click.echo(format_reference(children.rows[first:], reference, modes, batch=batch, seq=seq))
     if timeline_path:
         timelines = [r for r in children.rows if r.get("op") == "e2e_timeline"]
-        e2e.plot_timelines(timelines).savefig(timeline_path, dpi=120, bbox_inches="tight")
+        plot_timelines(timelines).savefig(timeline_path, dpi=120, bbox_inches="tight")
         click.echo(f"wrote {timeline_path}" + ("" if any(t.get("t_ms") for t in timelines) else " (empty: GPU only)"))
     if json_path:
         click.echo(f"wrote {json_path}")
     if plot_path:
         trained = [r for r in children.rows if r.get("op") == "e2e"]
-        e2e.plot_runs(trained).savefig(plot_path, dpi=120, bbox_inches="tight")
+        plot_runs(trained).savefig(plot_path, dpi=120, bbox_inches="tight")
         click.echo(f"wrote {plot_path}")
     if any(r.get("error") for r in children.rows):
         sys.exit(1)
@@ -479,10 +390,10 @@ def bench_e2e(
 def _print_breakdown(config, sizes: Sequence[tuple[int, int]], dtype: torch.dtype) -> None:
     for batch, seq in sizes:
         columns = {
-            "eager": e2e.memory_breakdown(config, batch, seq, dtype=dtype),
-            "fused": e2e.memory_breakdown(config, batch, seq, dtype=dtype, fused=True),
+            "eager": memory_breakdown(config, batch, seq, dtype=dtype),
+            "fused": memory_breakdown(config, batch, seq, dtype=dtype, fused=True),
         }
-        click.echo(f"\nanalytic memory of one step, batch {batch} x seq {seq}:\n{e2e.format_breakdown(columns)}\n")
+        click.echo(f"\nanalytic memory of one step, batch {batch} x seq {seq}:\n{format_breakdown(columns)}\n")
 
 
 def _train_model(
@@ -491,25 +402,25 @@ def _train_model(
     """Every mode at every size of one preset, each row printed as it comes; then every loss curve, each compiled
     mode against its eager one and the targets of liger_lab+compile."""
     runs = [(mode, batch, seq) for batch, seq in sizes for mode in modes]
-    click.echo(f"\ntraining: {len(runs)} runs, each in a fresh process [{e2e.timer_label()}]")
-    click.echo(e2e.RUN_HEADER)
+    click.echo(f"\ntraining: {len(runs)} runs, each in a fresh process [{timer_label()}]")
+    click.echo(RUN_HEADER)
     rows = []
     for mode, batch, seq in runs:
         rows.append(children.run("train", mode=mode, model=model, batch=batch, seq=seq, **common))
         if rows[-1].get("error"):
             click.echo(f"{mode} {batch}x{seq} failed:\n{rows[-1]['error']}", err=True)
-        click.echo(e2e.format_run(rows[-1], rows))
+        click.echo(format_run(rows[-1], rows))
     click.echo("\nloss per step (warm-up | timed):")
     for row in rows:
-        click.echo(e2e.format_losses(row))
+        click.echo(format_losses(row))
     for batch, seq in sizes:
-        pairs = [(e2e.base_mode(m), m) for m in modes if e2e.is_compiled(m) and e2e.base_mode(m) in modes]
+        pairs = [(base_mode(m), m) for m in modes if is_compiled(m) and base_mode(m) in modes]
         for eager_mode, compiled_mode in pairs:
-            verdict = e2e.compare_losses(rows, eager_mode, compiled_mode, batch=batch, seq=seq)
-            click.echo(e2e.format_comparison(verdict))
-        if e2e.TARGET_MODE in modes:
-            click.echo(f"targets of {e2e.TARGET_MODE} at {batch}x{seq} [{e2e.timer_label()}]:")
-            click.echo(e2e.format_targets(e2e.check_targets(rows, batch=batch, seq=seq)))
+            verdict = compare_losses(rows, eager_mode, compiled_mode, batch=batch, seq=seq)
+            click.echo(format_comparison(verdict))
+        if TARGET_MODE in modes:
+            click.echo(f"targets of {TARGET_MODE} at {batch}x{seq} [{timer_label()}]:")
+            click.echo(format_targets(check_targets(rows, batch=batch, seq=seq)))
 
 
 def _kernel_times(op: bench.OpBench, impl: str, calls: int) -> dict[str, float]:

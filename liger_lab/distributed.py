@@ -15,16 +15,17 @@ stepping on the whole batch. Two kinds of run:
 * ``cases`` (:data:`CASES`): a tiny patched Llama under DDP or FSDP2, and what ``lm_head.weight`` is at each
   point of the step (a shard, or the full weight);
 * ``head_losses``: functions ``loss(head, hidden, target)`` from the hidden states to the loss, each run by a small
-  model whose ``lm_head`` (with a bias) is an FSDP2 unit of its own. They travel to the processes as source
-  (a function defined in a notebook cannot be pickled), and may use ``torch``, ``liger_lab``, ``patching`` and
-  ``DTensor``. Each is first run here, on the model unsharded, so a function that fails does so with its
-  traceback in this process.
+  model whose ``lm_head`` (with a bias) is an FSDP2 unit of its own. They travel to the processes as source (a function
+  defined in a notebook cannot be pickled), and may use ``torch``, ``liger_lab``, ``hf`` (``liger_lab.hf``;
+  ``patching``, its old name, for a function written against it) and ``DTensor``. Each is first run here, on the model
+  unsharded, so a function that fails does so with its traceback in this process.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import inspect
 import json
 import os
@@ -42,7 +43,9 @@ import torch
 from torch import nn
 
 import liger_lab
-from liger_lab import e2e, patching, runtime
+from liger_lab import hf, runtime
+from liger_lab.e2e.memory import count_parameters, memory_breakdown
+from liger_lab.e2e.training import train_step
 
 WORLD = 2
 BATCH, SEQ, VOCAB = 4, 12, 96
@@ -72,7 +75,7 @@ def unit_parameters(config) -> dict[str, int]:
     if getattr(config, "tie_word_embeddings", False):
         raise ValueError("tie_word_embeddings is True: expected an untied lm_head (a unit of its own)")
     embedding = config.vocab_size * config.hidden_size
-    layers = e2e.count_parameters(config) - 2 * embedding - config.hidden_size
+    layers = count_parameters(config) - 2 * embedding - config.hidden_size
     return {
         "decoder layer": layers // config.num_hidden_layers,
         "lm_head": embedding,
@@ -93,7 +96,7 @@ def memory_per_gpu(
     """
     if gpus < 1:
         raise ValueError(f"gpus is {gpus}: expected at least 1")
-    one_gpu = e2e.memory_breakdown(config, batch, seq, dtype=dtype, fused=fused)
+    one_gpu = memory_breakdown(config, batch, seq, dtype=dtype, fused=fused)
     size = torch.empty((), dtype=dtype).element_size()
     largest_unit = max(unit_parameters(config).values()) * size
     return {
@@ -110,7 +113,7 @@ def traffic_per_gpu(config, gpus: int, *, dtype: torch.dtype = torch.bfloat16) -
     """Bytes each GPU receives per step under FSDP2: every parameter all-gathered twice (forward, backward)
     and every gradient reduce-scattered once, each moving (gpus - 1) / gpus of the full tensor."""
     size = torch.empty((), dtype=dtype).element_size()
-    return 3 * e2e.count_parameters(config) * size * (gpus - 1) / gpus
+    return 3 * count_parameters(config) * size * (gpus - 1) / gpus
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,9 +322,9 @@ def _curve(device: torch.device, rank: int, world: int, steps: int) -> dict[str,
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for input_ids in batches:
             if model is reference:
-                loss = e2e.train_step(model, optimizer, input_ids)
+                loss = train_step(model, optimizer, input_ids)
             else:  # this process's rows; the loss averaged over the processes
-                loss = _mean_loss(e2e.train_step(model, optimizer, input_ids[rank * per_rank : (rank + 1) * per_rank]))
+                loss = _mean_loss(train_step(model, optimizer, input_ids[rank * per_rank : (rank + 1) * per_rank]))
             curves[label].append(loss.item())
     return curves
 
@@ -337,7 +340,9 @@ def _llama_reference(rank_device: torch.device) -> dict[str, Any]:
 def _load_function(name: str, source: str) -> Callable:
     from torch.distributed.tensor import DTensor
 
-    namespace = {"torch": torch, "liger_lab": liger_lab, "patching": patching, "DTensor": DTensor}
+    namespace = {"torch": torch, "liger_lab": liger_lab, "hf": hf, "DTensor": DTensor}
+    if "patching" in source:  # a function written against the old name of liger_lab.hf
+        namespace["patching"] = importlib.import_module("liger_lab.patching")
     exec(compile(source, f"<{name}>", "exec"), namespace)  # the source of a function the caller wrote
     return namespace[name]
 

@@ -12,9 +12,9 @@ tokens of the config's vocabulary, the same for both models. Five stages, each p
 3. **Every replaced module against its original**, on the inputs it received in one forward of the model
    (captured by forward pre-hooks): the output and the gradient of every input that carried one in the model and
    of every parameter, each against the original module run in float64. The tolerance is the dtype's
-   (:data:`liger_lab.checks.TOLERANCE`), raised to twice transformers' own error at that dtype where transformers'
-   module is less exact than that (a bf16 decoder layer can be). The loss is checked the same way: the patched
-   model's fused loss and transformers' (``lm_head`` and cross-entropy) on the final hidden states.
+   (:data:`liger_lab.workbook.checks.TOLERANCE`), raised to twice transformers' own error at that dtype where
+   transformers' module is less exact than that (a bf16 decoder layer can be). The loss is checked the same way: the
+   patched model's fused loss and transformers' (``lm_head`` and cross-entropy) on the final hidden states.
 4. **The patched training step**: tokens/s, peak memory and the phase it is in, its profile beside the unpatched
    one (where the time went, and whether the host now holds it), the loss of every step against the unpatched
    model's (same weights, seed and data; :func:`liger_lab.e2e.compare_losses`, relative tolerance the dtype's
@@ -48,7 +48,7 @@ GPU.
 
 The benchmark's model-independent pieces come from :mod:`liger_lab.e2e` (``import_transformers``, ``random_batch``,
 ``make_optimizer``, ``reset_peak_memory``, ``peak_memory_gib``, ``environment``). Private helpers used:
-``hf.registry._UNFUSED`` (a fused class's transformers class) and ``hf.loss._REPORTED_FALLBACKS`` (emptied for
+``hf.registry.UNFUSED`` (a fused class's transformers class) and ``hf.loss._REPORTED_FALLBACKS`` (emptied for
 the run so that a fallback warned earlier in the process is warned, and seen, again).
 """
 
@@ -78,8 +78,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils import _pytree as pytree
 
 import liger_lab
-from liger_lab import e2e, hf, runtime
-from liger_lab.cli import CheckCase, run_case
+from liger_lab import hf, runtime
+from liger_lab.e2e import training
+from liger_lab.e2e.memory import GIB, allocated_timeline, downsample_max, live_at_peak
+from liger_lab.e2e.presets import DTYPES, default_dtype, import_transformers
+from liger_lab.e2e.reports import compare_losses, format_comparison, plot_timelines
+from liger_lab.e2e.training import make_optimizer, peak_memory_gib, random_batch, reset_peak_memory, timer_label
+from liger_lab.op_checks import CheckCase, run_case
 from liger_lab.workbook import checks
 
 if TYPE_CHECKING:
@@ -125,12 +130,12 @@ class Plan:
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     if dtype is None:
-        return e2e.default_dtype()
-    if isinstance(dtype, torch.dtype) and dtype in e2e.DTYPES.values():
+        return default_dtype()
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
-    if dtype in e2e.DTYPES:
-        return e2e.DTYPES[dtype]
-    raise ValueError(f"dtype is {dtype!r}: expected one of {sorted(e2e.DTYPES)}")
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype is {dtype!r}: expected one of {sorted(DTYPES)}")
 
 
 def prepare(
@@ -176,7 +181,7 @@ def prepare(
     if max_batch is not None and max_batch < batch:
         raise ValueError(f"max_batch is {max_batch}: expected at least the batch, {batch}")
     try:
-        config = e2e.import_transformers().AutoConfig.from_pretrained(config_file)
+        config = import_transformers().AutoConfig.from_pretrained(config_file)
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot read {config_file}: {error}") from None
     if config.model_type not in hf.FAMILIES:
@@ -194,7 +199,7 @@ def prepare(
 def _build(plan: Plan) -> nn.Module:
     """The model of ``plan`` on :data:`runtime.DEVICE`, in train mode: its weights, or random ones (seeded, so two
     builds are the same model)."""
-    auto = e2e.import_transformers().AutoModelForCausalLM
+    auto = import_transformers().AutoModelForCausalLM
     torch.manual_seed(SEED)
     common = dict(config=plan.config, dtype=plan.dtype, attn_implementation="sdpa")
     if plan.weights is not None:
@@ -264,7 +269,7 @@ def _train(label: str, model: nn.Module, optimizer: torch.optim.Optimizer, token
     torch.manual_seed(SEED)
     losses = [_step(model, optimizer, tokens)]
     runtime.synchronize()
-    e2e.reset_peak_memory()
+    reset_peak_memory()
     peaks: dict[str, int] = {}
     walls, hosts = [], []
     for _ in range(steps - 1):
@@ -274,7 +279,7 @@ def _train(label: str, model: nn.Module, optimizer: torch.optim.Optimizer, token
         runtime.synchronize()
         walls.append(time.perf_counter() - start)
     step_s, host_s = statistics.median(walls), statistics.median(hosts)
-    phase_peaks = {name: round(peaks[name] / e2e.GIB, 3) for name in PHASES if name in peaks} or None
+    phase_peaks = {name: round(peaks[name] / GIB, 3) for name in PHASES if name in peaks} or None
     return TrainRun(
         label, [round(v, 5) for v in torch.stack(losses).float().tolist()],
         round(tokens.numel() / step_s, 1), round(step_s * 1e3, 3),
@@ -294,9 +299,9 @@ def _memory_timeline(label: str, model: nn.Module, optimizer: torch.optim.Optimi
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     trace = snapshot["device_traces"][torch.cuda.current_device()]
-    times, allocated = e2e.downsample_max(*e2e.allocated_timeline(trace, start))
-    return {"impl": label, "t_ms": [round(t, 3) for t in times], "allocated_gib": [round(a / e2e.GIB, 4)
-            for a in allocated], "live_at_peak": e2e.live_at_peak(trace)}  # fmt: skip
+    times, allocated = downsample_max(*allocated_timeline(trace, start))
+    return {"impl": label, "t_ms": [round(t, 3) for t in times], "allocated_gib": [round(a / GIB, 4)
+            for a in allocated], "live_at_peak": live_at_peak(trace)}  # fmt: skip
 
 
 def _largest_batch(model: nn.Module, plan: Plan) -> dict[str, Any]:
@@ -307,19 +312,19 @@ def _largest_batch(model: nn.Module, plan: Plan) -> dict[str, Any]:
     while batches[-1] * 2 < plan.max_batch:
         batches.append(batches[-1] * 2)
     batches = sorted({*batches, plan.max_batch})
-    optimizer = e2e.make_optimizer(model, LR)
+    optimizer = make_optimizer(model, LR)
     fits: list[dict[str, Any]] = []
     oom_at = None
     for index, batch in enumerate([batches[0], *batches]):  # the first step creates AdamW's states, unrecorded
-        e2e.reset_peak_memory()
+        reset_peak_memory()
         try:
-            _step(model, optimizer, e2e.random_batch(plan.config, batch, plan.seq, SEED))
+            _step(model, optimizer, random_batch(plan.config, batch, plan.seq, SEED))
             runtime.synchronize()
         except torch.cuda.OutOfMemoryError:
             oom_at = batch
             break
         if index:
-            fits.append({"batch": batch, "peak_gib": e2e.peak_memory_gib()})
+            fits.append({"batch": batch, "peak_gib": peak_memory_gib()})
     optimizer.zero_grad(set_to_none=True)
     del optimizer
     torch.cuda.empty_cache()
@@ -580,8 +585,8 @@ def _unfused_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of a patched module with transformers' classes back (its children's too), in ``dtype``."""
     clone = copy.deepcopy(module)
     for part in clone.modules():
-        if type(part) in hf.registry._UNFUSED:
-            part.__class__ = hf.registry._UNFUSED[type(part)]
+        if type(part) in hf.registry.UNFUSED:
+            part.__class__ = hf.registry.UNFUSED[type(part)]
             part.__dict__.pop("in_place_backward", None)
     return clone.to(dtype)
 
@@ -698,7 +703,7 @@ def replaced_modules(model: nn.Module) -> tuple[list[str], hf.PatchReport, list[
     fused = [
         name
         for name, module in model.named_modules()
-        if type(module) in hf.registry._UNFUSED and (loop or not type(module).__name__.endswith("Experts"))
+        if type(module) in hf.registry.UNFUSED and (loop or not type(module).__name__.endswith("Experts"))
     ]
     liger_lab.unpatch(model)
     return fused, report, [str(w.message) for w in caught]
@@ -808,7 +813,8 @@ class DoctorResult:
         for run in ("unpatched", "patched"):
             data[run]["peak_phase"] = getattr(self, run).peak_phase
         verdict = [dict(zip(("what", "result", "figures"), row, strict=True)) for row in self.verdict()]
-        # The environment at the top level as well, as every row of benchmarks/results/ carries it (liger_lab.results).
+        # The environment at the top level as well, as every row of benchmarks/results/ carries it
+        # (liger_lab.workbook.results).
         return {**self.environment, **data, "verdict": verdict, "ok": self.ok}
 
     def __str__(self) -> str:
@@ -899,7 +905,7 @@ def format_training(
         lines.append(
             f"  {run.label:<11}{run.tokens_per_s:>11,.1f}{run.step_ms:>10.1f}{host:>10}{peak:>10}  {losses_text}"
         )
-    lines += ["  patched " + _phases(patched), "  " + e2e.format_comparison(losses)]
+    lines += ["  patched " + _phases(patched), "  " + format_comparison(losses)]
     lines.append(
         f"  one step of each under the profiler ({profile.wall_ms:.1f} and {patched_profile.wall_ms:.1f} ms), "
         f"{profile.clock}:"
@@ -953,15 +959,15 @@ def run(plan: Plan, progress: Callable[[str], None] | None = print) -> DoctorRes
     """The five stages of :func:`doctor` for a checked :class:`Plan`, each printed through ``progress`` as it
     finishes."""
     say = progress or (lambda _: None)
-    tokens = e2e.random_batch(plan.config, plan.batch, plan.seq, SEED)
-    dtype = next(name for name, value in e2e.DTYPES.items() if value == plan.dtype)
+    tokens = random_batch(plan.config, plan.batch, plan.seq, SEED)
+    dtype = next(name for name, value in DTYPES.items() if value == plan.dtype)
     weights = f"weights from {plan.weights}" if plan.weights else "random weights from its config"
     model = _build(plan)
     parameters = sum(p.numel() for p in model.parameters())
     say(format_header(str(plan.source), plan.config.model_type, parameters, weights, plan.batch, plan.seq, dtype,
                       plan.steps))  # fmt: skip
     say(f"\ntraining the unpatched model {plan.steps} steps, then profiling one ...")
-    optimizer = e2e.make_optimizer(model, LR)
+    optimizer = make_optimizer(model, LR)
     unpatched = _train("unpatched", model, optimizer, tokens, plan.steps)
     step_profile = profile_step(model, optimizer, tokens)
     record_timelines = bool(plan.plot_path) and not runtime.INTERPRET
@@ -980,15 +986,15 @@ def run(plan: Plan, progress: Callable[[str], None] | None = print) -> DoctorRes
         say(format_checks(module_checks, dtype))
         _release_memory()
         say(f"\ntraining the patched model {plan.steps} steps, then profiling one ...")
-        optimizer = e2e.make_optimizer(model, LR)
+        optimizer = make_optimizer(model, LR)
         patched = _train("patched", model, optimizer, tokens, plan.steps)
         patched_profile = profile_step(model, optimizer, tokens)
         if record_timelines:
             timelines.append(_memory_timeline("patched", model, optimizer, tokens))
     fallbacks = list(dict.fromkeys(fallbacks))
     rows = [unpatched.row(plan), patched.row(plan)]
-    losses = e2e.compare_losses(rows, "unpatched", "patched", rtol=max(torch.finfo(plan.dtype).eps, 1e-4))
-    say(format_training(unpatched, patched, step_profile, patched_profile, losses, fallbacks, e2e.timer_label()))
+    losses = compare_losses(rows, "unpatched", "patched", rtol=max(torch.finfo(plan.dtype).eps, 1e-4))
+    say(format_training(unpatched, patched, step_profile, patched_profile, losses, fallbacks, timer_label()))
     del optimizer
     _release_memory()
     largest = None
@@ -1000,8 +1006,8 @@ def run(plan: Plan, progress: Callable[[str], None] | None = print) -> DoctorRes
     liger_lab.unpatch(model)  # lets go of transformers' RoPE function now, not when a collection finds the model
     result = DoctorResult(
         str(plan.source), plan.config.model_type, parameters, weights, dtype, plan.batch, plan.seq, plan.steps,
-        runtime.describe(), e2e.timer_label(), step_profile, report, module_checks, unpatched, patched, losses,
-        fallbacks, patched_profile, largest, timelines, e2e.environment(),
+        runtime.describe(), timer_label(), step_profile, report, module_checks, unpatched, patched, losses,
+        fallbacks, patched_profile, largest, timelines, training.environment(),
     )  # fmt: skip
     say("\n" + format_verdict(result))
     _write(result, plan, say)
@@ -1017,7 +1023,7 @@ def _write(result: DoctorResult, plan: Plan, say: Callable[[str], None]) -> None
         say(f"no plot written to {plan.plot_path}: there is no CUDA memory timeline on CPU")
     elif plan.plot_path:
         plan.plot_path.parent.mkdir(parents=True, exist_ok=True)
-        e2e.plot_timelines(result.timelines).savefig(plan.plot_path, dpi=120, bbox_inches="tight")
+        plot_timelines(result.timelines).savefig(plan.plot_path, dpi=120, bbox_inches="tight")
         say(f"wrote {plan.plot_path}")
 
 
@@ -1045,7 +1051,7 @@ def doctor(
 
 
 class _CallableModule(types.ModuleType):
-    """This module, callable: ``liger_lab.doctor(model, ...)`` is :func:`doctor` (the package imports it on use)."""
+    """This module, callable: after ``import liger_lab.doctor``, ``liger_lab.doctor(model, ...)`` is :func:`doctor`."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> DoctorResult:
         return doctor(*args, **kwargs)

@@ -17,14 +17,19 @@ Every figure here is measured the same way for every implementation, in the same
 
 from __future__ import annotations
 
+import datetime
+import importlib.util
 import math
+import platform
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+import triton
 from tqdm import TqdmWarning
 
+import liger_lab
 from liger_lab import runtime
 
 MIB = 2**20
@@ -241,3 +246,24 @@ def plot_results(results: Sequence[Result], title: str = "", floor_ms: float | N
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def liger_kernel_installed() -> bool:
+    """Whether Liger-Kernel, the peer every benchmark row compares with, is importable here."""
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def environment() -> dict:
+    """GPU name, versions and the date (UTC), recorded with every result row."""
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "gpu": torch.cuda.get_device_name() if not runtime.INTERPRET else f"cpu ({platform.processor() or 'unknown'})",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "liger_lab": liger_lab.__version__,
+    }
+    if liger_kernel_installed():
+        from importlib.metadata import version
+
+        info["liger_kernel"] = version("liger-kernel")
+    return info

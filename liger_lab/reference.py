@@ -12,9 +12,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from liger_lab.ops import grpo, preference
-from liger_lab.ops.logprobs import head_outputs
-from liger_lab.ops.preference import ORPO_MAX_AVG_LOGP
+from liger_lab import formulas
+from liger_lab.formulas import ORPO_MAX_AVG_LOGP, head_outputs, rotate_half
 
 
 def rms_norm(
@@ -46,11 +45,6 @@ def add_rms_norm(
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,8 +219,8 @@ def fused_linear_dpo(
     clamped at 1, their difference - 1 / (2 beta))**2; robust (-(1 - ls) logsigmoid(beta delta)
     + ls logsigmoid(-beta delta)) / (1 - 2 ls). The reference's logps from ``ref_hidden @ ref_weight.T`` without
     gradient, or ``ref_logps`` (2B,), chosen then rejected. Options checked as the kernel's
-    (:func:`liger_lab.ops.preference.dpo_options`)."""
-    o = preference.dpo_options(beta, loss_type, label_smoothing)
+    (:func:`liger_lab.formulas.dpo_options`)."""
+    o = formulas.dpo_options(beta, loss_type, label_smoothing)
     beta, loss_type, label_smoothing = o.beta, o.loss_type, o.label_smoothing
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
@@ -261,9 +255,9 @@ def fused_linear_orpo(
     """ORPO: the chosen sequences' NLL averaged over their kept tokens (of ``nll_target`` (B, T) when given: TRL's
     ORPOTrainer takes it over prompt and response), minus beta * mean over pairs of logsigmoid(odds_c - odds_r),
     odds = avg - log(1 - exp(avg)) with avg = logp / max(count, 1) capped at :data:`ORPO_MAX_AVG_LOGP` (the
-    kernel's), log(1 - exp(avg)) as the kernel's :func:`liger_lab.ops.preference.log1mexp` takes it (exact on both
+    kernel's), log(1 - exp(avg)) as the kernel's :func:`liger_lab.formulas.log1mexp` takes it (exact on both
     sides of -log 2)."""
-    beta = preference.orpo_options(beta).beta
+    beta = formulas.orpo_options(beta).beta
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
     nll_logp, nll_count = logp[:n_pairs], count[:n_pairs]
@@ -271,7 +265,7 @@ def fused_linear_orpo(
         nll_logp, nll_count = sequence_logps(hidden[:n_pairs], weight, nll_target, ignore_index)
     nll = -nll_logp.sum() / nll_count.sum().clamp(min=1)
     avg = (logp / count.clamp(min=1)).clamp(max=ORPO_MAX_AVG_LOGP)
-    odds = avg - preference.log1mexp(avg)
+    odds = avg - formulas.log1mexp(avg)
     return nll - beta * _mean_over_pairs(F.logsigmoid(odds[:n_pairs] - odds[n_pairs:]))
 
 
@@ -285,7 +279,7 @@ def fused_linear_simpo(
     ignore_index: int = -100,
 ) -> torch.Tensor:
     """SimPO: mean over pairs of -logsigmoid(beta * (avg_c - avg_r) - gamma), avg = logp / max(count, 1)."""
-    o = preference.simpo_options(beta, gamma)
+    o = formulas.simpo_options(beta, gamma)
     beta, gamma = o.beta, o.gamma
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
@@ -368,21 +362,21 @@ def fused_linear_grpo(
     """TRL 1.16's ``GRPOTrainer._compute_loss`` (every loss type: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo,
     vespo; token or sequence importance sampling; the delta clamp; the k3 KL term and its bias correction; the vLLM
     importance-sampling ratio; the off-policy mask; the high-entropy mask and the entropy bonus: ``trl_options``,
-    :class:`liger_lab.ops.grpo.TRLOptions`' fields) on the plain logits of ``hidden @ weight.T / temperature``: the
+    :class:`liger_lab.formulas.TRLOptions`' fields) on the plain logits of ``hidden @ weight.T / temperature``: the
     log-probabilities (and entropies) of :func:`fused_linear_logprobs`, then
-    :func:`liger_lab.ops.grpo.loss_from_logps`, TRL's text on them, which the tests hold against TRL's own method.
+    :func:`liger_lab.formulas.loss_from_logps`, TRL's text on them, which the tests hold against TRL's own method.
 
     hidden (B, T, H) at completion positions, target (B, T) the completion tokens with ``ignore_index`` at padding
     (TRL's completion_mask), advantages (B,) or (B, T), old_logps and ref_logps (B, T) or None: constants, like the
     advantages. The options are checked, and epsilon_high defaulted, as the kernel's
-    (:meth:`liger_lab.ops.grpo.GRPOOptions.checked`, :meth:`liger_lab.ops.grpo.TRLOptions.checked`)."""
-    o = grpo.GRPOOptions.checked(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
-    t = grpo.TRLOptions.checked(**trl_options)
+    (:meth:`liger_lab.formulas.GRPOOptions.checked`, :meth:`liger_lab.formulas.TRLOptions.checked`)."""
+    o = formulas.GRPOOptions.checked(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
+    t = formulas.TRLOptions.checked(**trl_options)
     out = fused_linear_logprobs(
         hidden, weight, target, temperature=temperature, ignore_index=ignore_index, entropy=t.needs_entropy
     )
     logps, entropies = out if t.needs_entropy else (out, None)
-    return grpo.loss_from_logps(
+    return formulas.loss_from_logps(
         logps, target != ignore_index, advantages, o, t, entropies=entropies, old_logps=old_logps,
         ref_logps=ref_logps if o.beta else None, importance_sampling_ratio=importance_sampling_ratio,
         max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
@@ -415,14 +409,14 @@ def fused_linear_kto(
     weighted per-completion losses concatenated (desirable first) and averaged as TRL 1.16 does, by ``nanmean`` (a
     completion whose loss is NaN drops out; 0 for no completion at all, where TRL's nanmean is NaN). The
     reference's logps from its head without gradient, or ``ref_logps`` (B,). Options checked, and the estimate
-    taken, as the kernel's (:func:`liger_lab.ops.preference.kto_options`,
-    :func:`~liger_lab.ops.preference.kl_estimate`)."""
-    o = preference.kto_options(beta, loss_type, desirable_weight, undesirable_weight)
+    taken, as the kernel's (:func:`liger_lab.formulas.kto_options`,
+    :func:`~liger_lab.formulas.kl_estimate`)."""
+    o = formulas.kto_options(beta, loss_type, desirable_weight, undesirable_weight)
     beta, desirable_weight, undesirable_weight = o.beta, o.desirable_weight, o.undesirable_weight
     logps, _ = sequence_logps(hidden, weight, target, ignore_index)
     ref = _reference_sequence_logps(ref_hidden, ref_weight, ref_logps, target, ignore_index, logps.dtype)
     if kl is None and kl_logps is not None:
-        kl = preference.kl_estimate(kl_logps, ref_kl_logps)
+        kl = formulas.kl_estimate(kl_logps, ref_kl_logps)
     kl = torch.as_tensor(0.0 if kl is None else kl, device=logps.device).detach().to(logps.dtype)
     desirable = label != 0
     chosen_logratios = logps[desirable] - ref[desirable]
@@ -454,12 +448,12 @@ def fused_linear_cpo(
     mean token log-probability for ipo and simpo (over max(count, 1) kept tokens, where TRL's 0 / 0 is NaN) and the
     sum otherwise, AlphaPO's reward (1 - p^-alpha) / alpha when alpha != 0, and the NLL the chosen rows'
     cross-entropy (0 when no chosen token is kept). "alphapo" is simpo with cpo_alpha = 0, as CPOConfig makes it:
-    the options are checked and resolved as the kernel's (:func:`liger_lab.ops.preference.cpo_options`)."""
-    o = preference.cpo_options(beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha)
+    the options are checked and resolved as the kernel's (:func:`liger_lab.formulas.cpo_options`)."""
+    o = formulas.cpo_options(beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha)
     loss_type, beta, label_smoothing, cpo_alpha, alpha = o.loss_type, o.beta, o.label_smoothing, o.nll_weight, o.alpha
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
-    if preference.averages(o):
+    if formulas.averages(o):
         logp = logp / count.clamp(min=1)
     policy_chosen_logps, policy_rejected_logps = logp[:n_pairs], logp[n_pairs:]
     if alpha != 0.0:

@@ -1,4 +1,5 @@
-"""Old path of :mod:`liger_lab.workbook.results`, kept for existing imports."""
+"""Old path of :mod:`liger_lab.workbook.results`, kept only so that old imports and notebooks still work: new
+code imports ``liger_lab.workbook.results``, and nothing in the repository imports this path."""
 
 from liger_lab.workbook import alias
 

@@ -39,9 +39,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from liger_lab.formulas import HEAD_OUTPUTS
 from liger_lab.hf import api as hf_api
 from liger_lab.hf import report as hf_report
-from liger_lab.ops.logprobs import HEAD_OUTPUTS, fused_linear_logprobs
+from liger_lab.ops.logprobs import fused_linear_logprobs
 
 
 class LigerLabHead:

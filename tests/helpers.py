@@ -17,9 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference
-from liger_lab.ops.table import OPS
+from liger_lab.op_table import OPS
 from liger_lab.runtime import device
+from liger_lab.workbook.checks import check_against_reference
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
@@ -40,6 +40,10 @@ def row_strided(x: torch.Tensor) -> torch.Tensor:
     return wide[..., : x.shape[-1]]
 
 
+KERNEL_ONLY = frozenset({"chunk_tokens", "chunk_pairs", "chunk_completions", "accumulation", "in_place_backward"})
+"""Options of liger_lab's functions that choose how, not what, they compute: the references take none of them."""
+
+
 def check_op(
     name: str,
     *inputs: object,
@@ -48,14 +52,16 @@ def check_op(
     **options: object,
 ) -> bool:
     """``liger_lab.<name>(*inputs, **options)`` and the gradient of each of its differentiable inputs against
-    ``liger_lab.reference.<name>`` in float64 (:func:`liger_lab.checks.check_against_reference`), the inputs in the
-    order and under the names of the op's table row (``liger_lab.ops.table.OPS``). The inputs the row does not list
+    ``liger_lab.reference.<name>`` in float64 (:func:`liger_lab.workbook.checks.check_against_reference`), the inputs in
+    the order and under the names of the op's table row (``liger_lab.op_table.OPS``). The inputs the row does not list
     as differentiable (targets, a teacher's logits, RoPE tables) are constants of the call, given to the reference in
     float64 as they are. ``prepare`` turns each checked input into what both calls receive (a layout, a non-leaf).
     Options the reference does not take (``in_place_backward``, a chunk size) go to liger_lab's call alone."""
     spec = OPS[name]
     ours, theirs = getattr(liger_lab, name), getattr(reference, name)
-    accepted = inspect.signature(theirs).parameters
+    parameters = inspect.signature(theirs).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    accepted = {name for name in options if name in parameters or (takes_any and name not in KERNEL_ONLY)}
     if len(inputs) != len(spec.input_names):
         raise TypeError(f"{name} takes {spec.input_names}, got {len(inputs)} inputs")
     checked = [i for i, input_name in enumerate(spec.input_names) if input_name in spec.differentiable]

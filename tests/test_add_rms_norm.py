@@ -6,8 +6,8 @@ from helpers import OpCalls, check_op, non_contiguous, randn, row_strided
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import relative_l2_error
 from liger_lab.nn import AddRMSNorm, RMSNorm
+from liger_lab.workbook.checks import relative_l2_error
 
 MODES = [("llama", 0.0), ("gemma", 1.0), ("llama", 1.0)]
 

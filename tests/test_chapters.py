@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_chapters_are_generated_from_solutions():
     stale = out_of_date(ROOT / "solutions", ROOT / "chapters")
-    assert not stale, f"run `python -m liger_lab.chapters`: out of date: {stale}"
+    assert not stale, f"run `python -m liger_lab.workbook.chapters`: out of date: {stale}"
 
 
 def test_every_solution_has_a_chapter_and_exercises():
@@ -39,7 +39,7 @@ def test_stub_replaces_only_the_marked_region_and_keeps_indentation():
     assert stubbed == (
         "def f(x):\n    y = 1\n"
         "    # EXERCISE 3.1: return x plus one\n"
-        '    liger_lab.exercises.todo("3.1", "return x plus one")\n'
+        '    liger_lab.workbook.exercises.todo("3.1", "return x plus one")\n'
         "    # END EXERCISE 3.1\n"
     )
 
@@ -50,7 +50,7 @@ def test_a_stub_inside_a_triton_kernel_compiles_and_names_its_exercise():
         '    # BEGIN SOLUTION 2.3: store "one"\n    tl.store(x_ptr + i, 1.0)\n    # END SOLUTION\n'
     )
     stubbed = stub_source(source)
-    assert stubbed.startswith('@liger_lab.exercises.jit("2.3", "store \\"one\\"")\ndef k(x_ptr):\n')
+    assert stubbed.startswith('@liger_lab.workbook.exercises.jit("2.3", "store \\"one\\"")\ndef k(x_ptr):\n')
     assert "raise" not in stubbed and "tl.store" not in stubbed
     assert stubbed.endswith(f"    {STUB_MARKER}\n    # END EXERCISE 2.3\n")
 
@@ -61,7 +61,7 @@ def test_python_regions_after_a_kernel_are_not_kernel_stubs():
         "    # BEGIN SOLUTION 2.4: launch k\n    k[(1,)](x)\n    # END SOLUTION\n"
     )
     stubbed = stub_source(source)
-    assert stubbed.startswith("@triton.jit\n") and 'liger_lab.exercises.todo("2.4", "launch k")' in stubbed
+    assert stubbed.startswith("@triton.jit\n") and 'liger_lab.workbook.exercises.todo("2.4", "launch k")' in stubbed
 
 
 @pytest.mark.parametrize(
@@ -104,10 +104,11 @@ def test_exercise_notebook_drops_outputs():
 
 
 @pytest.mark.filterwarnings("ignore:'liger_lab.workbook.chapters' found in sys.modules")  # imported above
-def test_the_old_module_name_still_runs_the_generator(monkeypatch, capsys):
-    # `python -m liger_lab.chapters --check`, as the Makefile and CI run it.
+@pytest.mark.parametrize("module", ["liger_lab.workbook.chapters", "liger_lab.chapters"])
+def test_the_module_runs_the_generator(module, monkeypatch, capsys):
+    # `python -m liger_lab.workbook.chapters --check`, as the Makefile and CI run it, and its old name.
     monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(sys, "argv", ["liger_lab.chapters", "--check"])
-    monkeypatch.delitem(sys.modules, "liger_lab.chapters", raising=False)  # as in a fresh `python -m`
-    runpy.run_module("liger_lab.chapters", run_name="__main__")
+    monkeypatch.setattr(sys, "argv", [module, "--check"])
+    monkeypatch.delitem(sys.modules, module, raising=False)  # as in a fresh `python -m`
+    runpy.run_module(module, run_name="__main__")
     assert capsys.readouterr().out == "chapters/ is in sync with solutions/\n"

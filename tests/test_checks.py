@@ -77,18 +77,6 @@ def test_the_upstream_gradient_keeps_half_precision_gradients_normal():
         assert (upstream > 0).any() and (upstream < 0).any()
 
 
-def test_the_old_module_paths_are_the_moved_modules():
-    import liger_lab.chapters
-    import liger_lab.checks
-    import liger_lab.diagrams
-    import liger_lab.exercises
-    from liger_lab.workbook import chapters, diagrams
-
-    assert liger_lab.checks is checks and liger_lab.exercises is exercises
-    assert liger_lab.chapters is chapters and liger_lab.diagrams is diagrams
-    assert liger_lab.checks.check_against_reference is checks.check_against_reference
-
-
 # --------------------------------------------------------------------------------------------------
 # Guarded exercise checks
 
@@ -222,7 +210,7 @@ def test_a_todo_left_above_written_code_says_which_line_to_delete():
     source = (
         "def solve():\n"
         "    # EXERCISE 9.9: return one\n"
-        '    liger_lab.exercises.todo("9.9", "return one")\n'
+        '    liger_lab.workbook.exercises.todo("9.9", "return one")\n'
         "    return 1\n"
         "    # END EXERCISE 9.9\n"
     )

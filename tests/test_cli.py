@@ -10,8 +10,8 @@ import torch
 from click.testing import CliRunner
 
 import liger_lab
-from liger_lab import cli, reference, runtime
-from liger_lab.ops.table import OPS as TABLE
+from liger_lab import cli, op_checks, reference, runtime
+from liger_lab.op_table import OPS as TABLE
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION_KEYS = {"gpu", "torch", "triton", "liger_lab"}
@@ -34,17 +34,22 @@ def test_check_passes_for_every_op_of_the_table():
     result = invoke("check")
     assert result.exit_code == 0, result.output
     rows = [
-        line.split() for line in result.output.splitlines() if line.split()[:1] and line.split()[0] in cli.CHECK_OPS
+        line.split()
+        for line in result.output.splitlines()
+        if line.split()[:1] and line.split()[0] in op_checks.CHECK_OPS
     ]
-    assert set(cli.CHECK_OPS) == set(TABLE)
-    for op in cli.CHECK_OPS:
+    assert set(op_checks.CHECK_OPS) == set(TABLE)
+    for op in op_checks.CHECK_OPS:
         statuses = {row[1]: row[-1] for row in rows if row[0] == op}
-        assert statuses == {cli.DTYPE_NAMES[dtype]: "PASS" for dtype in cli.check_dtypes()}, (op, result.output)
+        assert statuses == {op_checks.DTYPE_NAMES[dtype]: "PASS" for dtype in op_checks.check_dtypes()}, (
+            op,
+            result.output,
+        )
     assert f"{2 * len(TABLE)} passed, 0 failed" in result.output
 
 
 def test_check_reports_worst_relative_error_of_all_comparisons():
-    results = cli.run_checks(["rms_norm"], [torch.float32])
+    results = op_checks.run_checks(["rms_norm"], [torch.float32])
     (only,) = results
     assert only.status == "PASS" and 0 < only.worst_rel_error < 1e-5
     # three comparisons (output, grad x, grad weight): the worst is the largest printed figure (printed to 2 digits)
@@ -53,12 +58,12 @@ def test_check_reports_worst_relative_error_of_all_comparisons():
 
 
 def test_an_ops_own_tolerance_reaches_its_check():
-    assert cli._case("fused_linear_dpo", torch.float32).tol == 1e-4
-    assert cli._case("rms_norm", torch.float32).tol is None  # checks.TOLERANCE's
-    case = cli._case("rms_norm", torch.float32)
+    assert op_checks.case_for("fused_linear_dpo", torch.float32).tol == 1e-4
+    assert op_checks.case_for("rms_norm", torch.float32).tol is None  # checks.TOLERANCE's
+    case = op_checks.case_for("rms_norm", torch.float32)
     wrong = dataclasses.replace(case, fn=lambda *args: 1.001 * case.fn(*args))
-    assert cli.run_case(wrong).status == "FAIL"
-    assert cli.run_case(dataclasses.replace(wrong, tol=1e-2)).status == "PASS"
+    assert op_checks.run_case(wrong).status == "FAIL"
+    assert op_checks.run_case(dataclasses.replace(wrong, tol=1e-2)).status == "PASS"
 
 
 def test_check_fails_with_exit_code_1_when_a_kernel_is_wrong(monkeypatch):

@@ -24,10 +24,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import liger_lab
 from liger_lab import runtime
-from liger_lab.hf.families import _modeling
-from liger_lab.hf.registry import _original
+from liger_lab.hf.families import modeling_of
+from liger_lab.hf.registry import original_of
+from liger_lab.op_table import OPS, OpSpec
 from liger_lab.ops.operators import kernels_under_compile
-from liger_lab.ops.table import OPS, OpSpec
 
 MODES = {"dynamic": True, "automatic": None}
 """``torch.compile``'s ``dynamic``: symbolic sizes from the first call, or the default (from the first change)."""
@@ -166,8 +166,8 @@ def test_a_patched_model_collected_during_a_compile_keeps_the_rope_swap_until_it
     backend that collects. Putting transformers' ``apply_rotary_pos_emb`` back at that moment would change the
     function the frame calls between tracing it and building its guards (an internal Dynamo error on the guard of
     the dispatcher's ``__closure__``)."""
-    modeling = _modeling("llama")
-    original = _original(modeling, "apply_rotary_pos_emb")
+    modeling = modeling_of("llama")
+    original = original_of(modeling, "apply_rotary_pos_emb")
     model = tiny_model("llama")
     input_ids = torch.randint(0, model.config.vocab_size, (2, 6), device=runtime.DEVICE)
     compiled = torch.compile(model, backend=collecting_backend)

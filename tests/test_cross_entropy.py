@@ -5,9 +5,9 @@ from helpers import check_op, non_contiguous, randn, row_strided
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import relative_l2_error
 from liger_lab.nn import CrossEntropyLoss
 from liger_lab.ops.cross_entropy import count_targets
+from liger_lab.workbook.checks import relative_l2_error
 
 OPTIONS = [
     {},

@@ -8,8 +8,8 @@ import torch
 from helpers import OpCalls
 
 from liger_lab import runtime
+from liger_lab.op_table import OPS, OpSpec
 from liger_lab.ops.operators import LOWERED_UNDER_COMPILE, kernels_under_compile
-from liger_lab.ops.table import OPS, OpSpec
 
 CASES = [(name, label) for name, spec in OPS.items() for label in ("default", *spec.variants)]
 IDS = [f"{name}-{label}" for name, label in CASES]

@@ -7,7 +7,8 @@ import torch
 from click.testing import CliRunner
 
 import liger_lab
-from liger_lab import cli, e2e, runtime
+from liger_lab import cli, runtime
+from liger_lab.e2e.training import random_batch
 from liger_lab.hf import loss as hf_loss
 from liger_lab.ops import rms_norm as rms_norm_ops
 
@@ -52,7 +53,7 @@ def test_a_local_model_directory_end_to_end(tmp_path):
     assert data["ok"] is True and data["weights"].startswith("weights from")
     # The weights were loaded: the first loss is the saved model's on the doctor's batch.
     saved = transformers.AutoModelForCausalLM.from_pretrained(model).to(runtime.DEVICE)
-    tokens = e2e.random_batch(saved.config, 1, 8, doctor.SEED)
+    tokens = random_batch(saved.config, 1, 8, doctor.SEED)
     assert data["unpatched"]["losses"][0] == round(saved(input_ids=tokens, labels=tokens).loss.item(), 5)
 
     profile = data["profile"]

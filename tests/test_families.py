@@ -22,8 +22,8 @@ from test_patching import (  # noqa: F401  (fused_calls: a fixture)
 
 import liger_lab
 from liger_lab import hf, runtime
-from liger_lab.checks import relative_l2_error
-from liger_lab.hf.families import _modeling
+from liger_lab.hf.families import modeling_of
+from liger_lab.workbook.checks import relative_l2_error
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,7 +81,7 @@ def test_patch_report_says_what_each_new_family_fuses_and_leaves_alone():
 def test_gemma4_patched_by_model_type():
     """Patching the family swaps Gemma4RMSNorm and Gemma4ForCausalLM beside the Gemma4Text... classes; its norms
     without a weight (v_norm, the router's) are of the fused class then, and run transformers' forward."""
-    modeling = _modeling("gemma4_text")
+    modeling = modeling_of("gemma4_text")
     names = ("Gemma4RMSNorm", "Gemma4TextMLP", "Gemma4TextExperts")
     originals = {name: getattr(modeling, name) for name in names}
     forward = modeling.Gemma4ForCausalLM.forward

@@ -5,9 +5,9 @@ from helpers import randn
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference, relative_l2_error
 from liger_lab.nn import FusedLinearCrossEntropyLoss
 from liger_lab.ops import fused_linear_cross_entropy as flce_module
+from liger_lab.workbook.checks import check_against_reference, relative_l2_error
 
 N, H, V = 40, 32, 1000
 CHUNK = 16  # 40 tokens: chunks of 16, 16 and 8

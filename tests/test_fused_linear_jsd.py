@@ -7,10 +7,10 @@ from helpers import LargestNewTensor, non_contiguous, randn
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference, relative_l2_error
 from liger_lab.nn import FusedLinearJSD
 from liger_lab.ops import fused_linear_jsd as fljsd_module
 from liger_lab.ops.chunked import grad_outputs
+from liger_lab.workbook.checks import check_against_reference, relative_l2_error
 
 N, HS, HT, V = 37, 24, 40, 1300  # the teacher wider than the student; V not a power of 2
 CHUNK = 16  # 37 rows: chunks of 16, 16 and 5

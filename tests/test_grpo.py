@@ -7,16 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import LargestNewTensor, OpCalls, randn
+from helpers import LargestNewTensor, OpCalls, check_op, randn
 
 import liger_lab
-from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference
+from liger_lab import formulas, reference, runtime
 from liger_lab.ops import chunked, grpo
 
 B, T, H, V = 3, 7, 16, 40
-LOSS_TYPES = grpo.LOSS_TYPES
-LEVELS = grpo.IMPORTANCE_SAMPLING_LEVELS
+LOSS_TYPES = formulas.LOSS_TYPES
+LEVELS = formulas.IMPORTANCE_SAMPLING_LEVELS
 
 
 def targets(vocab=V, ignore_index=-100):
@@ -44,19 +43,6 @@ def inputs(dtype=torch.float32, per_token_advantages=False, scale=1.0, ignore_in
     return hidden, weight, target, advantages, old, ref
 
 
-def check(hidden, weight, target, advantages, tol=None, **options):
-    """Loss and the gradients of hidden and weight against the float64 reference."""
-    ref_options = {k: v for k, v in options.items() if k not in ("chunk_tokens", "accumulation")}
-    return check_against_reference(
-        "fused_linear_grpo",
-        lambda h, w: liger_lab.fused_linear_grpo(h, w, target, advantages, **options),
-        lambda h, w: reference.fused_linear_grpo(h, w, target, advantages, **ref_options),
-        [hidden, weight],
-        input_names=["hidden", "weight"],
-        tol=tol,
-    )
-
-
 # --------------------------------------------------------------------------------------------------
 # Against float64
 
@@ -69,9 +55,18 @@ def test_matches_float64(loss_type, level, with_old):
     # cispo's epsilon_high is the ratio's upper bound (TRL's docs suggest values such as 5): 1.2 clips some tokens.
     epsilon_high = 1.2 if loss_type == "cispo" else 0.28
     # With old_logps, two chunks of 11 rows (sequence 1 split between them); without, one chunk (fewer launches).
-    assert check(hidden, weight, target, advantages, old_logps=old if with_old else None, loss_type=loss_type,
-                 importance_sampling_level=level, epsilon_high=epsilon_high,
-                 chunk_tokens=11 if with_old else None)  # fmt: skip
+    assert check_op(
+        "fused_linear_grpo",
+        hidden,
+        weight,
+        target,
+        advantages,
+        old_logps=old if with_old else None,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        epsilon_high=epsilon_high,
+        chunk_tokens=11 if with_old else None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -98,15 +93,26 @@ def test_options(loss_type, level, options):
     if options.get("num_items_in_batch") == "tensor":
         options["num_items_in_batch"] = torch.tensor(25, device=runtime.DEVICE)
     old = options.pop("old", old)
-    assert check(hidden, weight, target, advantages, old_logps=old, ref_logps=ref, loss_type=loss_type,
-                 importance_sampling_level=level, chunk_tokens=11, **options)  # fmt: skip
+    assert check_op(
+        "fused_linear_grpo",
+        hidden,
+        weight,
+        target,
+        advantages,
+        old_logps=old,
+        ref_logps=ref,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        chunk_tokens=11,
+        **options,
+    )
 
 
 def test_fp16_and_large_logits():
     hidden, weight, target, advantages, old, ref = inputs(dtype=torch.float16)
-    assert check(hidden, weight, target, advantages, old_logps=old, ref_logps=ref, beta=0.1)
+    assert check_op("fused_linear_grpo", hidden, weight, target, advantages, old_logps=old, ref_logps=ref, beta=0.1)
     hidden, weight, target, advantages, old, ref = inputs(scale=30.0)  # logits in the hundreds: saturated softmax
-    assert check(hidden, weight, target, advantages, old_logps=old, loss_type="grpo", tol=1e-4)
+    assert check_op("fused_linear_grpo", hidden, weight, target, advantages, old_logps=old, loss_type="grpo", tol=1e-4)
 
 
 def test_every_token_ignored():
@@ -275,7 +281,7 @@ def test_every_option_of_trl_matches_trl_and_float64(loss_type, level, options):
 def _forward(hidden, weight, target, advantages, old, level, chunk):
     """The operator's work for dapo with both gradients (what the autograd.Function's forward runs), into outputs
     allocated as the operator allocates them: called through the operator, a dispatch mode would see only it."""
-    options = grpo.GRPOOptions.checked("dapo", level, 0.0, 0.2, None, None)
+    options = formulas.GRPOOptions.checked("dapo", level, 0.0, 0.2, None, None)
     args = (hidden, weight, target, advantages, old, None, None, *options.arguments(), 1.0, -100, None, None, chunk,
             "fp32", [True, True, False])  # fmt: skip
     loss = hidden.new_empty((), dtype=torch.float32)
@@ -426,8 +432,17 @@ def test_bf16_large_vocabulary(loss_type, level):
         off_edge = torch.where(ratio < edge, edge - 0.02, edge + 0.02)
         old = torch.where((ratio - edge).abs() < 0.02, logp - off_edge.log(), old)
     advantages = randn(4)
-    assert check(hidden, weight, target, advantages, old_logps=old, loss_type=loss_type,
-                 importance_sampling_level=level, epsilon_high=3.0 if loss_type == "cispo" else 0.28)  # fmt: skip
+    assert check_op(
+        "fused_linear_grpo",
+        hidden,
+        weight,
+        target,
+        advantages,
+        old_logps=old,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        epsilon_high=3.0 if loss_type == "cispo" else 0.28,
+    )
 
 
 def test_torch_func_transforms_are_refused_naming_the_loss():

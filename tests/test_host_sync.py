@@ -16,6 +16,7 @@ from helpers import HostReads, randn
 
 import liger_lab
 from liger_lab import runtime
+from liger_lab.op_table import OPS
 
 N, H, V = 24, 16, 96
 CHUNK = 10  # 24 tokens: chunks of 10, 10 and 4
@@ -119,6 +120,25 @@ def test_forward_and_backward_read_nothing_back(case, gpu_path, monkeypatch):
     run, leaves = CASES[case](False)
     with HostReads(monkeypatch) as reads:
         _step(run)
+    assert reads.calls == []
+    assert all(leaf.grad is not None and torch.isfinite(leaf.grad).all() for leaf in leaves)
+
+
+LOSSES = [name for name, spec in OPS.items() if not spec.registered_autograd or name == "fused_linear_logprobs"]
+"""Every loss of the table (those that make their gradient in the forward) and the RL head."""
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_every_loss_and_the_head_of_the_table_read_nothing_back(name, gpu_path, monkeypatch):
+    """The table's row, at its check shape, on the GPU's logic: forward and backward (every output that has a
+    gradient summed) read no value back; each differentiable input gets a finite gradient."""
+    spec = OPS[name]
+    inputs = spec.make_inputs(spec.check_shapes[0], torch.float32)
+    leaves = [inputs[spec.input_names.index(input_name)] for input_name in spec.differentiable]
+    with HostReads(monkeypatch) as reads:
+        out = spec.function(*inputs)
+        outputs = out if isinstance(out, tuple) else (out,)
+        sum(o.float().sum() for o in outputs if o.requires_grad).backward()
     assert reads.calls == []
     assert all(leaf.grad is not None and torch.isfinite(leaf.grad).all() for leaf in leaves)
 

@@ -7,8 +7,8 @@ from helpers import check_op, non_contiguous, randn, row_strided
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import relative_l2_error
 from liger_lab.nn import JSD
+from liger_lab.workbook.checks import relative_l2_error
 
 BETAS = [0.0, 0.5, 1.0, 0.3]
 TEMPERATURES = [1.0, 2.0, 0.7]

@@ -11,12 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import randn
+from helpers import check_op, randn
 from test_host_sync import HostReads
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference
 from liger_lab.ops import preference
 
 B, T, H, V = 3, 7, 16, 500
@@ -60,37 +59,19 @@ def kl_options(kind, n=N):
     return {}
 
 
-def check(name, fn, ref_fn, tensors, names, tol=None):
-    return check_against_reference(name, fn, ref_fn, tensors, input_names=names, tol=tol)
-
-
 def check_kto(tensors, ref_source="head", tol=None, **options):
+    """The op table's float64 check; ``ref_source="logps"``: the reference's log-probabilities given instead of its
+    head."""
     hidden, weight, target, label, ref_hidden, ref_weight = tensors
-    ref_options = {k: v for k, v in options.items() if k not in ("chunk_completions", "accumulation")}
     if ref_source == "logps":
         ref_logps = reference.sequence_logps(ref_hidden.double(), ref_weight.double(), target)[0].float()
-        return check(
-            "fused_linear_kto",
-            lambda h, w: liger_lab.fused_linear_kto(h, w, target, label, ref_logps=ref_logps, **options),
-            lambda h, w: reference.fused_linear_kto(h, w, target, label, ref_logps=ref_logps, **ref_options),
-            [hidden, weight], ["hidden", "weight"], tol,
-        )  # fmt: skip
-    return check(
-        "fused_linear_kto",
-        lambda *a: liger_lab.fused_linear_kto(*a, **options),
-        lambda *a: reference.fused_linear_kto(*a, **ref_options),
-        tensors, ["hidden", "weight", "target", "label", "ref_hidden", "ref_weight"], tol,
-    )  # fmt: skip
+        return check_op("fused_linear_kto", hidden, weight, target, label, None, None, ref_logps=ref_logps, tol=tol,
+                        **options)  # fmt: skip
+    return check_op("fused_linear_kto", *tensors, tol=tol, **options)
 
 
 def check_cpo(tensors, tol=None, **options):
-    ref_options = {k: v for k, v in options.items() if k not in ("chunk_pairs", "accumulation")}
-    return check(
-        "fused_linear_cpo",
-        lambda *a: liger_lab.fused_linear_cpo(*a, **options),
-        lambda *a: reference.fused_linear_cpo(*a, **ref_options),
-        tensors, ["hidden", "weight", "target"], tol,
-    )  # fmt: skip
+    return check_op("fused_linear_cpo", *tensors, tol=tol, **options)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,7 +217,7 @@ def test_cpo_return_logps(loss_type):
 
 
 def test_table_rows_and_exports():
-    from liger_lab.ops.table import OPS
+    from liger_lab.op_table import OPS
 
     for loss in ("kto", "cpo"):
         assert f"fused_linear_{loss}" in liger_lab.__all__ and f"fused_linear_{loss}" in OPS
@@ -554,12 +535,7 @@ def _distill(rows=11, vocab=130, dtype=torch.float32):
 def test_jsd_num_items_in_batch(dtype, num_items):
     num_items = torch.tensor([13], device=runtime.DEVICE) if num_items == "tensor" else num_items
     student, teacher, target = _distill(dtype=dtype)
-    assert check(
-        "jsd",
-        lambda s, t: liger_lab.jsd(s, t, target, beta=0.3, num_items_in_batch=num_items),
-        lambda s, t: reference.jsd(s, t, target, beta=0.3, num_items_in_batch=num_items),
-        [student, teacher], ["student_logits", "teacher_logits"],
-    )  # fmt: skip
+    assert check_op("jsd", student, teacher, target, beta=0.3, num_items_in_batch=num_items)
 
 
 @pytest.mark.parametrize(
@@ -577,12 +553,7 @@ def test_fused_linear_jsd_num_items_in_batch(dtype, num_items, with_target):
     student, teacher = head(11, seq_len=1, dtype=dtype), head(11, seq_len=1, hidden=H + 8, dtype=dtype)
     tensors = [student[0].view(11, H), student[1], teacher[0].view(11, H + 8), teacher[1]]
     target = _distill()[2] if with_target else None
-    assert check(
-        "fused_linear_jsd",
-        lambda *a: liger_lab.fused_linear_jsd(*a, target, beta=0.0, num_items_in_batch=num_items, chunk_tokens=4),
-        lambda *a: reference.fused_linear_jsd(*a, target, beta=0.0, num_items_in_batch=num_items),
-        tensors, ["student_hidden", "student_weight", "teacher_hidden", "teacher_weight"],
-    )  # fmt: skip
+    assert check_op("fused_linear_jsd", *tensors, target, beta=0.0, num_items_in_batch=num_items, chunk_tokens=4)
 
 
 def test_num_items_in_batch_makes_micro_batches_add_up_to_the_batch_mean():

@@ -17,7 +17,7 @@ import torch
 from helpers import recorded_launches
 
 from liger_lab import runtime
-from liger_lab.ops.table import OPS
+from liger_lab.op_table import OPS
 from liger_lab.runtime import device as runtime_device
 
 

@@ -4,8 +4,8 @@ from helpers import check_op, non_contiguous, randn, row_strided
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference, check_close
 from liger_lab.nn import LayerNorm
+from liger_lab.workbook.checks import check_against_reference, check_close
 
 
 def _params(n, dtype=torch.float32):

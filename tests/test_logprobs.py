@@ -9,8 +9,8 @@ from test_compile_dynamic import CompileCounter
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference
 from liger_lab.ops import logprobs
+from liger_lab.workbook.checks import check_against_reference
 
 B, T, H, V = 2, 7, 16, 40
 

@@ -18,7 +18,7 @@ from test_patching import VOCAB, assert_same_training_step, batch, tiny_model
 
 import liger_lab
 from liger_lab import runtime
-from liger_lab.hf.families import _modeling
+from liger_lab.hf.families import modeling_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,7 +109,7 @@ def test_experts_with_another_activation_are_left_alone():
 
 def test_unpatch_restores_the_experts_and_the_report_follows():
     model = tiny_model("qwen3_moe")
-    modeling = _modeling("qwen3_moe")
+    modeling = modeling_of("qwen3_moe")
     report = liger_lab.patch_report(liger_lab.patch(model))
     assert report.replaced[FUSED] == 1 and report.replaced["gated MLP (SwiGLU/GeGLU)"] == 1
     assert set(report.left_alone) == {"router"} and f"fused      {FUSED}" in str(report)
@@ -124,7 +124,7 @@ def test_unpatch_restores_the_experts_and_the_report_follows():
 
 
 def test_patching_the_family_builds_fused_experts():
-    modeling = _modeling("mixtral")
+    modeling = modeling_of("mixtral")
     original = modeling.MixtralExperts
     liger_lab.patch("mixtral")
     try:

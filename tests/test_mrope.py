@@ -11,8 +11,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference, relative_l2_error
 from liger_lab.ops.rope import rope_rotate, rope_tile
+from liger_lab.workbook.checks import check_against_reference, relative_l2_error
 
 LAYOUTS = {"sections": False, "interleaved": True}
 

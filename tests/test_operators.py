@@ -11,8 +11,8 @@ from helpers import OpCalls, randn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import liger_lab
+from liger_lab.op_table import OPS
 from liger_lab.ops import cross_entropy, glu, rms_norm
-from liger_lab.ops.table import OPS
 
 
 def _backward_args() -> tuple[torch.Tensor, ...]:

@@ -16,12 +16,12 @@ from tiny_vlms import tiny_vlm
 
 import liger_lab
 from liger_lab import hf, runtime
-from liger_lab.checks import relative_l2_error
-from liger_lab.hf.families import _modeling
+from liger_lab.hf.families import modeling_of
 from liger_lab.hf.loss import _REPORTED_FALLBACKS
-from liger_lab.hf.registry import _original
+from liger_lab.hf.registry import original_of
 from liger_lab.ops import fused_linear_cross_entropy as flce_ops
 from liger_lab.ops import rope as rope_ops
+from liger_lab.workbook.checks import relative_l2_error
 
 transformers = pytest.importorskip("transformers")
 
@@ -234,14 +234,14 @@ def test_options_choose_what_is_patched():
                             fused_linear_cross_entropy=False)  # fmt: skip
     assert fused_class_names(model) == {"FusedLlamaMLP"}
     assert "forward" not in model.__dict__
-    modeling = _modeling("llama")
-    assert modeling.apply_rotary_pos_emb is _original(modeling, "apply_rotary_pos_emb")
+    modeling = modeling_of("llama")
+    assert modeling.apply_rotary_pos_emb is original_of(modeling, "apply_rotary_pos_emb")
     liger_lab.unpatch(model)
 
 
 def test_unpatch_restores_the_model_exactly():
     model = tiny_model("qwen3").eval()
-    modeling = _modeling("qwen3")
+    modeling = modeling_of("qwen3")
     rope_before = modeling.apply_rotary_pos_emb
     classes = {name: type(m) for name, m in model.named_modules()}
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -264,7 +264,7 @@ def test_unpatch_restores_the_model_exactly():
 
 
 def test_a_collected_patched_model_lets_go_of_the_rope_swap():
-    modeling = _modeling("llama")
+    modeling = modeling_of("llama")
     original = modeling.apply_rotary_pos_emb
     model = liger_lab.patch(tiny_model("llama"))
     assert modeling.apply_rotary_pos_emb is not original
@@ -274,7 +274,7 @@ def test_a_collected_patched_model_lets_go_of_the_rope_swap():
 
 
 def test_rope_stays_swapped_while_any_patched_model_holds_it():
-    modeling = _modeling("llama")
+    modeling = modeling_of("llama")
     original = modeling.apply_rotary_pos_emb
     first, second = liger_lab.patch(tiny_model("llama")), liger_lab.patch(tiny_model("llama"))
     liger_lab.unpatch(first)
@@ -299,7 +299,7 @@ def test_only_patched_models_run_the_fused_rope(monkeypatch):
 
 
 def test_patching_by_model_type_patches_the_classes():
-    modeling = _modeling("llama")
+    modeling = modeling_of("llama")
     names = ("LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "apply_rotary_pos_emb")
     originals = {name: getattr(modeling, name) for name in names}
     forward = modeling.LlamaForCausalLM.forward

@@ -16,10 +16,10 @@ from test_patching import LOSS_TOL, batch, loss_and_grads, tiny_model
 
 import liger_lab
 from liger_lab import runtime
-from liger_lab.checks import relative_l2_error
 from liger_lab.hf.loss import _BoundForward
 from liger_lab.nn import SwiGLUMLP
 from liger_lab.ops import rope as rope_ops
+from liger_lab.workbook.checks import relative_l2_error
 
 
 def _kernels_run(model, input_ids, labels) -> set[str]:

@@ -3,14 +3,13 @@
 unpatched model's tuple layout.
 """
 
-import ast
 import copy
 import dataclasses
 import gc
+import importlib
 import inspect
 import io
 import json
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -21,16 +20,18 @@ from helpers import OpCalls
 from test_patching import LOSS_TOL, batch, fused_class_names, loss_and_grads, tiny_model
 
 import liger_lab
-from liger_lab import hf, patching, runtime
-from liger_lab.checks import relative_l2_error
+from liger_lab import hf, runtime
 from liger_lab.hf import loss as hf_loss
 from liger_lab.hf import modules, registry
-from liger_lab.hf.families import _Family, _modeling, _Options
-from liger_lab.hf.registry import _original
+from liger_lab.hf.families import Family, Options, modeling_of
+from liger_lab.hf.registry import original_of
+from liger_lab.workbook.checks import relative_l2_error
 
 transformers = pytest.importorskip("transformers")
 
 FUSED_LLAMA = {f"FusedLlama{piece}" for piece in hf.FAMILIES["llama"].pieces}
+
+patching = importlib.import_module("liger_lab.patching")  # the old path, kept for old pickles: tested here
 
 
 @pytest.fixture(autouse=True)
@@ -55,15 +56,15 @@ def loss_of(model, input_ids, labels):
 
 
 def rope_is_swapped(modeling) -> bool:
-    return modeling.apply_rotary_pos_emb is not _original(modeling, "apply_rotary_pos_emb")
+    return modeling.apply_rotary_pos_emb is not original_of(modeling, "apply_rotary_pos_emb")
 
 
 def test_fused_classes_are_found_by_name():
     """What pickle does with the class of a patched module, for every family and piece: in ``liger_lab.hf``, where
     new pickles name them, and in ``liger_lab.patching``, where pickles made before the split do."""
-    everything = _Options(True, True, True, False, True, None)
+    everything = Options(True, True, True, False, True, None)
     for model_type, family in hf.FAMILIES.items():
-        classes = modules._fused_classes(family, _modeling(model_type), everything)
+        classes = modules.fused_classes(family, modeling_of(model_type), everything)
         assert len(classes) == len(family.pieces)
         for name, piece in classes.items():
             fused = piece.fused
@@ -78,40 +79,11 @@ def test_fused_classes_are_found_by_name():
 def test_every_piece_kind_has_a_builder_an_option_and_a_family_flag():
     """A piece kind is one entry of the registry: what builds it, the option that turns it on and the flag that says
     a family has it must exist, or the kind would fail only when a family first asks for it."""
-    options = {field.name for field in dataclasses.fields(_Options)}
-    flags = {field.name for field in dataclasses.fields(_Family) if field.type in ("bool", bool)}
-    assert set(modules._BUILDERS) == set(registry._PIECE_KINDS)
-    for suffix, kind in registry._PIECE_KINDS.items():
+    options = {field.name for field in dataclasses.fields(Options)}
+    flags = {field.name for field in dataclasses.fields(Family) if field.type in ("bool", bool)}
+    assert set(modules._BUILDERS) == set(registry.PIECE_KINDS)
+    for suffix, kind in registry.PIECE_KINDS.items():
         assert kind.suffix == suffix and kind.option in options and kind.flag in flags | {None}, kind
-
-
-HF = pathlib.Path(hf.__file__).parent
-LAYERS = ["registry", "families", "modules", "loss", "api", "report"]
-"""The files of liger_lab.hf from the bottom up: each imports only those before it (the package docstring's order)."""
-
-
-def hf_imports(path: pathlib.Path) -> set[str]:
-    """The files of liger_lab.hf that a file imports; a name imported from the package itself that is not a file is
-    its ``__init__``'s, which no layer may import."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level:  # relative: from inside the package
-                module = f"liger_lab.hf.{module}" if module else "liger_lab.hf"
-            names |= {f"{module}.{alias.name}" for alias in node.names} if module == "liger_lab.hf" else {module}
-    prefix = "liger_lab.hf."
-    return {name.removeprefix(prefix).partition(".")[0] for name in names if name.startswith(prefix)}
-
-
-def test_the_hf_files_import_only_the_layers_below():
-    """No import circle among the files, and the swap mechanics never import the fused modules they serve."""
-    assert sorted(LAYERS) == sorted(path.stem for path in HF.glob("*.py") if path.stem != "__init__")
-    for index, layer in enumerate(LAYERS):
-        imported = hf_imports(HF / f"{layer}.py")
-        assert imported <= set(LAYERS[:index]), f"{layer}.py imports {sorted(imported - set(LAYERS[:index]))}"
 
 
 def test_the_pre_split_module_finds_every_name_in_its_new_home():
@@ -119,7 +91,7 @@ def test_the_pre_split_module_finds_every_name_in_its_new_home():
     pickles name, are the objects of liger_lab.hf (one registry of fallbacks, not a copy)."""
     assert (patching.patch, patching.unpatch, patching.report) == (hf.patch, hf.unpatch, hf.patch_report)
     assert patching.FAMILIES is hf.FAMILIES and patching.PatchReport is hf.PatchReport
-    assert patching._REPORTED_FALLBACKS is hf_loss._REPORTED_FALLBACKS and patching._UNFUSED is registry._UNFUSED
+    assert patching._REPORTED_FALLBACKS is hf_loss._REPORTED_FALLBACKS and patching._UNFUSED is registry.UNFUSED
     assert patching._BoundForward is hf_loss._BoundForward and patching._mlp_class is modules._mlp_class
     for name in ("_loss_forward", "_as_forward_of", "_is_fsdp_unit", "_llama_rms_norm_forward", "_Options"):
         assert callable(getattr(patching, name)), name
@@ -136,7 +108,7 @@ def test_a_model_pickled_under_the_pre_split_names_loads(monkeypatch):
     before = loss_of(model, input_ids, labels)
     assert b"liger_lab.hf" in pickled(model) and b"liger_lab.patching" not in pickled(model)
     with monkeypatch.context() as old_names:
-        for cls in {type(m) for m in model.modules() if type(m) in registry._UNFUSED} | {hf_loss._BoundForward}:
+        for cls in {type(m) for m in model.modules() if type(m) in registry.UNFUSED} | {hf_loss._BoundForward}:
             old_names.setattr(cls, "__module__", "liger_lab.patching")
         data = pickled(model)
     assert b"liger_lab.patching" in data and b"liger_lab.hf" not in data
@@ -181,7 +153,7 @@ def test_family_patched_model_pickles_and_computes_the_same_loss():
 
 
 def test_a_loaded_model_holds_the_rope_swap_until_unpatched():
-    modeling = _modeling("llama")
+    modeling = modeling_of("llama")
     model = liger_lab.patch(tiny_model("llama"))
     input_ids, labels = batch()
     before = loss_of(model, input_ids, labels)
@@ -203,11 +175,11 @@ FRESH_PROCESS = textwrap.dedent(
     import json, sys
     import torch
     import liger_lab  # before the pickle names liger_lab.hf: picks the interpreter on CPU
-    from liger_lab.hf.families import _modeling
-    from liger_lab.hf.registry import _original
+    from liger_lab.hf.families import modeling_of
+    from liger_lab.hf.registry import original_of
 
-    modeling = _modeling("llama")
-    swapped = lambda: modeling.apply_rotary_pos_emb is not _original(modeling, "apply_rotary_pos_emb")
+    modeling = modeling_of("llama")
+    swapped = lambda: modeling.apply_rotary_pos_emb is not original_of(modeling, "apply_rotary_pos_emb")
     fused = lambda model: sorted(type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Fused"))
     reports = {}
     for how, path in zip(sys.argv[1::2], sys.argv[2::2]):  # one model after the other: each holds the rope

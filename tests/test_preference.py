@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LargestNewTensor, randn, row_strided
+from helpers import LargestNewTensor, check_op, randn, row_strided
 
 import liger_lab
-from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference
+from liger_lab import formulas, reference, runtime
 from liger_lab.nn import FusedLinearDPOLoss, FusedLinearORPOLoss, FusedLinearSimPOLoss
 from liger_lab.ops import preference
+from liger_lab.workbook.checks import check_against_reference
 
 B, T, H, V = 3, 7, 16, 1000
 LOSSES = ("dpo", "orpo", "simpo")
@@ -54,20 +54,6 @@ def theirs(loss):
     return getattr(reference, f"fused_linear_{loss}")
 
 
-def check(loss, tensors, tol=None, **options):
-    """Loss and the gradients of hidden and weight against the float64 reference."""
-    ref_options = {k: v for k, v in options.items() if k not in ("chunk_pairs", "accumulation")}
-    names = ["hidden", "weight", "target", "ref_hidden", "ref_weight"][: len(tensors)]
-    return check_against_reference(
-        f"fused_linear_{loss}",
-        lambda *a: ours(loss)(*a, **options),
-        lambda *a: theirs(loss)(*a, **ref_options),
-        tensors,
-        input_names=names,
-        tol=tol,
-    )
-
-
 # --------------------------------------------------------------------------------------------------
 # Against float64
 
@@ -83,7 +69,7 @@ def check(loss, tensors, tol=None, **options):
     ],
 )
 def test_matches_float64(loss, n_pairs, chunk_pairs, empty):
-    assert check(loss, inputs(loss, n_pairs, empty=empty), chunk_pairs=chunk_pairs)
+    assert check_op(f"fused_linear_{loss}", *inputs(loss, n_pairs, empty=empty), chunk_pairs=chunk_pairs)
 
 
 @pytest.mark.parametrize(
@@ -106,13 +92,13 @@ def test_parameter_edge_values(loss, options):
     tensors = inputs(loss, empty=(2,), ignore_index=options.get("ignore_index", -100))
     # The loss depends on beta * logp: its relative error grows with beta times the fp32 error of a logp.
     tol = 1e-5 * max(1.0, options.get("beta", 0.0))
-    assert check(loss, tensors, tol=tol, chunk_pairs=2, **options)
+    assert check_op(f"fused_linear_{loss}", *tensors, tol=tol, chunk_pairs=2, **options)
 
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_vocabulary_larger_than_one_block_odd_sizes(loss):
     # 16411 columns: more than one 16384-column block in the interpreter; T = 5, H = 24 (powers of 2 nowhere).
-    assert check(loss, inputs(loss, n_pairs=1, seq_len=5, hidden=24, vocab=16411, prompt=1))
+    assert check_op(f"fused_linear_{loss}", *inputs(loss, n_pairs=1, seq_len=5, hidden=24, vocab=16411, prompt=1))
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -127,12 +113,12 @@ def test_huge_logits(loss):
             t[[1, B + 1]] = t[[B, 0]]
     # Logits of a few hundred carry an fp32 matmul error of about 1e-4 (the float64 reference has none), which
     # the saturated softmax and beta times the margins pass on: a looser tolerance than fp32's 1e-5.
-    assert check(loss, tensors, tol=3e-4, chunk_pairs=2)
+    assert check_op(f"fused_linear_{loss}", *tensors, tol=3e-4, chunk_pairs=2)
 
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_fp16(loss):
-    assert check(loss, inputs(loss, dtype=torch.float16, empty=(3,)), chunk_pairs=2)
+    assert check_op(f"fused_linear_{loss}", *inputs(loss, dtype=torch.float16, empty=(3,)), chunk_pairs=2)
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -141,7 +127,7 @@ def test_strided_inputs_and_upstream_gradient(loss):
     tensors[0] = row_strided(tensors[0])
     hidden, weight = (t.detach().clone().requires_grad_() for t in tensors[:2])
     (3.0 * ours(loss)(hidden, weight, *tensors[2:])).backward()
-    assert check(loss, tensors, chunk_pairs=2)
+    assert check_op(f"fused_linear_{loss}", *tensors, chunk_pairs=2)
     hidden64, weight64 = (t.detach().double().requires_grad_() for t in tensors[:2])
     rest = [t.double() if t.is_floating_point() else t for t in tensors[2:]]
     (3.0 * theirs(loss)(hidden64, weight64, *rest)).backward()
@@ -168,7 +154,7 @@ def test_no_positions_at_all(loss):
 )
 def test_dpo_loss_types_match_float64(loss_type, label_smoothing, empty):
     tensors = inputs("dpo", empty=empty)
-    assert check("dpo", tensors, loss_type=loss_type, label_smoothing=label_smoothing, chunk_pairs=2)
+    assert check_op("fused_linear_dpo", *tensors, loss_type=loss_type, label_smoothing=label_smoothing, chunk_pairs=2)
 
 
 def _reference_logps(ref_hidden, ref_weight, target):
@@ -209,7 +195,7 @@ def nll_targets(target, n_pairs=B, vocab=V, prompt=2):
 def test_orpo_nll_over_more_positions_than_the_odds(chunk_pairs, empty):
     tensors = inputs("orpo", empty=empty)
     nll_target = nll_targets(tensors[2])
-    assert check("orpo", tensors, nll_target=nll_target, chunk_pairs=chunk_pairs)
+    assert check_op("fused_linear_orpo", *tensors, nll_target=nll_target, chunk_pairs=chunk_pairs)
     # nll_target equal to the chosen rows' targets is the default NLL.
     with torch.no_grad():
         same = liger_lab.fused_linear_orpo(*tensors, nll_target=tensors[2][:B].clone())
@@ -316,7 +302,7 @@ def test_reference_empty_sequence_and_orpo_cap():
     odds = lambda a: a - math.log(-math.expm1(a))  # noqa: E731
     expected = -0.1 * F.logsigmoid(torch.tensor(odds(reference.ORPO_MAX_AVG_LOGP) - odds(logp[1].item() / 2)))
     torch.testing.assert_close(reference.fused_linear_orpo(hidden, weight, target), expected.double())
-    assert reference.ORPO_MAX_AVG_LOGP is preference.ORPO_MAX_AVG_LOGP  # one cap, stated once
+    assert reference.ORPO_MAX_AVG_LOGP is preference.ORPO_MAX_AVG_LOGP is formulas.ORPO_MAX_AVG_LOGP  # stated once
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,7 +340,7 @@ def test_no_tensor_holds_the_logits_of_every_pair(loss):
     n_pairs, seq_len, vocab = 5, 6, 300
     hidden, weight, target, *refs = inputs(loss, n_pairs=n_pairs, seq_len=seq_len, hidden=8, vocab=vocab)
     refs = refs or [None, None]
-    options = preference.PreferenceOptions(loss, beta=0.1, gamma=0.5, nll_weight=float(loss == "orpo"))
+    options = formulas.PreferenceOptions(loss, beta=0.1, gamma=0.5, nll_weight=float(loss == "orpo"))
     args = (hidden, weight, target, *refs, None, None, None, None, *options.arguments(), -100, 2, "fp32",
             [True, True, False])  # fmt: skip
     outputs = [allocate(*args) for allocate in preference.FUSED_LINEAR_PREFERENCE_OUTPUTS.values()]
@@ -429,7 +415,7 @@ def test_bad_input_is_a_value_error(loss, make, options, message):
 def test_bf16_128k_vocabulary(loss):
     tensors = inputs(loss, n_pairs=3, seq_len=100, hidden=256, vocab=128256, dtype=torch.bfloat16, prompt=30,
                      empty=(4,))  # fmt: skip
-    assert check(loss, tensors, chunk_pairs=2)
+    assert check_op(f"fused_linear_{loss}", *tensors, chunk_pairs=2)
 
 
 @pytest.mark.cuda
@@ -438,7 +424,7 @@ def test_bf16_default_chunks(loss):
     # DPO's margin sums bf16-rounded logits over whole sequences: a few hundred positions keep that sum's
     # rounding (about 2e-3 per position, times beta) inside bf16's tolerance.
     tensors = inputs(loss, n_pairs=3, seq_len=300, hidden=512, vocab=50257, dtype=torch.bfloat16, prompt=60)
-    assert check(loss, tensors)
+    assert check_op(f"fused_linear_{loss}", *tensors)
 
 
 @pytest.mark.cuda

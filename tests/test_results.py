@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import liger_lab
 from benchmarks import import_results, readme_table
 from liger_lab.workbook import results
 
@@ -44,12 +43,6 @@ def test_row_finds_exactly_one_row_and_source_names_the_clock():
     row = results.row("h200-ops-round6.json", op="rms_norm", impl="liger_lab")
     assert row["timer"] == "cuda_graph" and row["full_ms"] > 0
     assert "CUDA-graph replay" in results.source("h200-ops-round6.json", row["timer"])
-
-
-def test_the_old_module_path_is_the_store_module():
-    from liger_lab import results as old_path
-
-    assert old_path is results and liger_lab.results is results
 
 
 @pytest.mark.parametrize(

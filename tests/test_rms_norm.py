@@ -4,8 +4,8 @@ from helpers import check_op, non_contiguous, randn, row_strided
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference, relative_l2_error
 from liger_lab.nn import RMSNorm
+from liger_lab.workbook.checks import check_against_reference, relative_l2_error
 
 
 @pytest.mark.parametrize("shape", [(8, 64), (1, 37), (5, 1000), (3, 7, 96), (130, 33), (2, 1, 4099)])

@@ -6,8 +6,8 @@ from helpers import check_op, non_contiguous, randn
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_against_reference, relative_l2_error
 from liger_lab.ops.rope import apply_rotary_pos_emb, rope_rotate, rope_tile
+from liger_lab.workbook.checks import check_against_reference, relative_l2_error
 
 
 def angles(batch: int, seq_len: int, head_dim: int, *, offset_per_batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

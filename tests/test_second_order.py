@@ -16,8 +16,8 @@ from helpers import randn
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.checks import check_close
-from liger_lab.ops.table import OPS
+from liger_lab.op_table import OPS
+from liger_lab.workbook.checks import check_close
 
 CASES = [(name, label) for name, spec in OPS.items() for label in ("default", *spec.variants)]
 IDS = [f"{name}-{label}" for name, label in CASES]

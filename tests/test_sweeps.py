@@ -131,7 +131,7 @@ def test_bench_kernels_lists_an_ops_largest_kernels_and_its_matmul_floor(tmp_pat
     monkeypatch.setattr(profiling, "matmul_tflops", lambda: 700.0)
     monkeypatch.setattr(cli, "_kernel_times", lambda op, impl, calls: {"gemm": 30.0, "_loss_kernel": 10.0})
     monkeypatch.setattr(cli.torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "NVIDIA H200"})
+    monkeypatch.setattr(profiling, "environment", lambda: {"gpu": "NVIDIA H200"})
     json_path = tmp_path / "kernels.json"
     result = runner.invoke(cli.main, ["bench", "kernels", "fused_linear_cross_entropy", "--json", str(json_path)])
     assert result.exit_code == 0, result.output

@@ -24,10 +24,10 @@ from tiny_vlms import CONFIGS, image_batch, tiny_vlm
 
 import liger_lab
 from liger_lab import hf
-from liger_lab.checks import relative_l2_error
-from liger_lab.hf.families import _modeling
-from liger_lab.hf.registry import _original
+from liger_lab.hf.families import modeling_of
+from liger_lab.hf.registry import original_of
 from liger_lab.ops import rope as rope_ops
+from liger_lab.workbook.checks import relative_l2_error
 
 transformers = pytest.importorskip("transformers")
 
@@ -137,7 +137,7 @@ def test_multimodal_rope_of_the_text_layers_runs_the_fused_rope(monkeypatch, mod
     fused = rope_ops.apply_rotary_pos_emb
     monkeypatch.setattr(rope_ops, "apply_rotary_pos_emb", lambda q, k, cos, sin, **kw: tables.append(cos.shape) or
                         fused(q, k, cos, sin, **kw))  # fmt: skip
-    modeling = _modeling(model_type)
+    modeling = modeling_of(model_type)
     vision_rope = modeling.apply_rotary_pos_emb_vision
     model = liger_lab.patch(vlm(model_type, num_hidden_layers=2))
     batch = image_batch(model)
@@ -148,7 +148,7 @@ def test_multimodal_rope_of_the_text_layers_runs_the_fused_rope(monkeypatch, mod
     assert {"rope", "rope_backward"} <= calls.ran() and "mrope" not in calls.ran()
     assert modeling.apply_rotary_pos_emb_vision is vision_rope
     liger_lab.unpatch(model)
-    assert modeling.apply_rotary_pos_emb is _original(modeling, "apply_rotary_pos_emb")
+    assert modeling.apply_rotary_pos_emb is original_of(modeling, "apply_rotary_pos_emb")
 
 
 def test_lora_on_the_language_model_reaches_the_fused_pieces(fused_calls):  # noqa: F811
@@ -175,7 +175,7 @@ def test_lora_on_the_language_model_reaches_the_fused_pieces(fused_calls):  # no
 @pytest.mark.parametrize("model_type", VLMS)
 def test_unpatch_restores_the_model_exactly(model_type):
     model = vlm(model_type).eval()
-    modeling = _modeling(model_type)
+    modeling = modeling_of(model_type)
     rope_before = modeling.apply_rotary_pos_emb
     classes = {name: type(m) for name, m in model.named_modules()}
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -212,7 +212,7 @@ def test_a_hooked_final_norm_keeps_its_output():
 def test_llava_patched_by_model_type():
     """LLaVA's pieces are Llama's classes (modeling_llama), its loss LlavaForConditionalGeneration's forward
     (modeling_llava): patching the family swaps both, and unpatching it puts both back."""
-    llama, llava = _modeling("llava"), transformers.models.llava.modeling_llava
+    llama, llava = modeling_of("llava"), transformers.models.llava.modeling_llava
     originals = {name: getattr(llama, name) for name in ("LlamaRMSNorm", "LlamaMLP", "LlamaAttention")}
     forward = llava.LlavaForConditionalGeneration.forward
     liger_lab.patch("llava")
@@ -241,8 +241,8 @@ def test_a_patched_qwen2_5_vl_pickles_with_its_own_mlp_class():
     class has a name of its own, which a pickle finds again."""
     model = liger_lab.patch(vlm("qwen2_5_vl"))
     mlp = type(model.model.language_model.layers[0].mlp)
-    assert mlp.__name__ == "FusedQwen2MLP_qwen2_5_vl" and mlp.__bases__ == (_modeling("qwen2_5_vl").Qwen2MLP,)
-    assert hf.FusedQwen2MLP.__bases__ == (_modeling("qwen2").Qwen2MLP,)
+    assert mlp.__name__ == "FusedQwen2MLP_qwen2_5_vl" and mlp.__bases__ == (modeling_of("qwen2_5_vl").Qwen2MLP,)
+    assert hf.FusedQwen2MLP.__bases__ == (modeling_of("qwen2").Qwen2MLP,)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
@@ -251,5 +251,5 @@ def test_a_patched_qwen2_5_vl_pickles_with_its_own_mlp_class():
     with torch.no_grad():
         assert relative_l2_error(loaded(**batch).loss, model(**batch).loss) < LOSS_TOL
     liger_lab.unpatch(loaded)
-    assert type(loaded.model.language_model.layers[0].mlp) is _modeling("qwen2_5_vl").Qwen2MLP
+    assert type(loaded.model.language_model.layers[0].mlp) is modeling_of("qwen2_5_vl").Qwen2MLP
     liger_lab.unpatch(model)

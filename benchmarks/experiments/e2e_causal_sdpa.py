@@ -19,7 +19,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from liger_lab import e2e
+from liger_lab.e2e.isolation import child_row, environment_of
+from liger_lab.e2e.presets import model_config
+from liger_lab.e2e.reports import format_run
+from liger_lab.e2e.training import MODES, train
 from liger_lab.workbook import results
 
 ATTENTION = "sdpa, causal (no mask built)"
@@ -41,21 +44,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--child", choices=e2e.MODES, help=argparse.SUPPRESS)  # how the script runs one mode
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)  # how the script runs one mode
     args = parser.parse_args(argv)
     if args.child:
         keep_causal_fast_path()
-        row = e2e.train(args.child, e2e.model_config("1.5b"), args.batch, args.seq)
+        row = train(args.child, model_config("1.5b"), args.batch, args.seq)
         print(json.dumps({**row, "attention": ATTENTION}))
         return
     rows = []
     for mode in args.modes.split(","):
         command = [sys.executable, "-m", __spec__.name, "--child", mode, "--batch", str(args.batch),
                    "--seq", str(args.seq)]  # fmt: skip
-        rows.append(e2e.child_row(command, {"op": "e2e", "impl": mode, "batch": args.batch, "seq": args.seq}))
-        print(e2e.format_run(rows[-1], rows), flush=True)
+        rows.append(child_row(command, {"op": "e2e", "impl": mode, "batch": args.batch, "seq": args.seq}))
+        print(format_run(rows[-1], rows), flush=True)
     if args.json:
-        results.write_rows(rows, args.json, environment=e2e.environment_of(rows))
+        results.write_rows(rows, args.json, environment=environment_of(rows))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from liger_lab import e2e
+from liger_lab.e2e.isolation import child_row, environment_of
+from liger_lab.e2e.presets import default_dtype, model_config
+from liger_lab.e2e.training import train
 from liger_lab.ops import fused_linear_cross_entropy as flce_ops
 from liger_lab.workbook import results
 
@@ -27,9 +29,9 @@ DEFAULT = "default"
 
 
 def run_one(model: str, chunk_tokens: int | None) -> dict:
-    config = e2e.model_config(model)
-    row = e2e.train("liger_lab", config, BATCH, SEQ, steps=5, warmup=2, loss_chunk_tokens=chunk_tokens)
-    dtype = e2e.default_dtype()
+    config = model_config(model)
+    row = train("liger_lab", config, BATCH, SEQ, steps=5, warmup=2, loss_chunk_tokens=chunk_tokens)
+    dtype = default_dtype()
     used = chunk_tokens or flce_ops.chunk_tokens_in_model(BATCH * SEQ, config.hidden_size, config.vocab_size, dtype)
     return {**row, "model": model, "loss_chunk_tokens": chunk_tokens, "chunk_tokens": used}
 
@@ -47,14 +49,14 @@ def main() -> None:
     rows = []
     for value in args.chunk_tokens.split(","):
         command = [sys.executable, "-m", __spec__.name, "--model", args.model, "--one", value]
-        row = e2e.child_row(command, {"op": "e2e", "impl": "liger_lab", "loss_chunk_tokens": value})
+        row = child_row(command, {"op": "e2e", "impl": "liger_lab", "loss_chunk_tokens": value})
         rows.append(row)
         speed, peak = f"{row.get('tokens_per_s', 0):,.0f} tokens/s", f"peak {row.get('peak_gib')} GiB"
         print(
             f"loss_chunk_tokens {value}: chunk {row.get('chunk_tokens')} tokens, {speed}, {peak} {row.get('error', '')}"
         )
     if args.json:
-        results.write_rows(rows, args.json, environment=e2e.environment_of(rows))
+        results.write_rows(rows, args.json, environment=environment_of(rows))
         print(f"wrote {args.json}")
 
 

@@ -7,7 +7,8 @@ it) and its sizes. The benchmark model is Llama-3.2-1B-shaped with an untied out
 batch of 8 x 2048 tokens. "qwen3-1.5b" and "gemma3-1.5b" put about as many parameters behind larger
 vocabularies (151936; 262144 with soft-capped logits), where the loss takes more of the step and the memory.
 
-One module per concern, every public name re-exported here:
+One module per concern. Code of the package, the tests and the benchmarks import each name from the module that
+defines it; the names are also re-exported here, for the chapters, which read them as ``e2e.<name>``:
 
 * :mod:`~liger_lab.e2e.presets`: the presets, their transformers configs and families;
 * :mod:`~liger_lab.e2e.memory`: the parameter count, the analytic memory breakdown of a step, and the reading of

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import liger_lab
-from liger_lab import bench, runtime
+from liger_lab import profiling, runtime
 from liger_lab.e2e.memory import GIB, allocated_timeline, count_parameters, downsample_max, live_at_peak
 from liger_lab.e2e.presets import default_dtype, family_of, import_transformers
 
@@ -72,7 +72,7 @@ def available_modes() -> list[str]:
     modes = ["hf"]
     if hasattr(liger_lab, "patch"):
         modes.append("liger_lab")
-    if bench.liger_kernel_installed() and not runtime.INTERPRET:
+    if profiling.liger_kernel_installed() and not runtime.INTERPRET:
         modes.append("liger")
     if compile_available():
         modes += [m + COMPILE_SUFFIX for m in ("hf", "liger_lab") if m in modes]
@@ -162,11 +162,11 @@ def _compile_counts() -> dict[str, int]:
 
 
 def environment() -> dict[str, Any]:
-    """What every end-to-end row records of where it ran: :func:`liger_lab.bench.environment` and transformers'
+    """What every end-to-end row records of where it ran: :func:`liger_lab.profiling.environment` and transformers'
     version."""
     from importlib.metadata import version
 
-    return {**bench.environment(), "transformers": version("transformers")}
+    return {**profiling.environment(), "transformers": version("transformers")}
 
 
 def result_row(mode: str, config: PretrainedConfig, batch: int, seq: int, **fields: Any) -> dict[str, Any]:

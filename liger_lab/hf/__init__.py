@@ -22,7 +22,7 @@ pickles as its options. Models saved before this package existed name ``liger_la
 
 from liger_lab.hf.api import patch, unpatch
 from liger_lab.hf.families import FAMILIES
-from liger_lab.hf.modules import _find_fused_class
+from liger_lab.hf.modules import find_fused_class
 from liger_lab.hf.report import PatchReport
 from liger_lab.hf.report import report as patch_report
 
@@ -32,4 +32,4 @@ __all__ = ["FAMILIES", "PatchReport", "patch", "patch_report", "unpatch"]
 def __getattr__(name: str) -> type:
     """The fused classes by name (``FusedLlamaRMSNorm``, ...), made on demand: pickle looks up the class of a
     patched module here, also in a process that has patched nothing yet."""
-    return _find_fused_class(name, __name__)
+    return find_fused_class(name, __name__)

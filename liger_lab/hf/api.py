@@ -27,17 +27,16 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from liger_lab.hf.families import _family, _modeling, _Options
+from liger_lab.hf.families import Options, family_row, modeling_of
 from liger_lab.hf.loss import (
-    _PATCHED_FORWARDS,
-    _BoundForward,
-    _causal_lm,
-    _forward_slot,
-    _is_class_forward,
-    _loss_forward_of,
+    causal_lm_class,
+    is_class_forward,
+    loss_forward_of,
+    remove_patched_forward,
+    set_patched_forward,
 )
-from liger_lab.hf.modules import _ROPE_FUNCTION, _fused_classes, _gated_kernel, _rope_dispatcher
-from liger_lab.hf.registry import _UNFUSED, _hold, _original, _release
+from liger_lab.hf.modules import ROPE_FUNCTION, fused_classes, gated_kernel, rope_dispatcher
+from liger_lab.hf.registry import UNFUSED, hold, original_of, release
 from liger_lab.ops import fused_linear_cross_entropy as flce_ops
 
 _M = TypeVar("_M")
@@ -67,12 +66,12 @@ def patch(
     memory for the loss's speed. Patching again replaces the previous patch. Returns its argument.
     """
     flce_ops.check_chunk_options("loss_chunk_tokens", loss_chunk_tokens, accumulation=None)
-    options = _Options(rms_norm, rope, swiglu, cross_entropy, fused_linear_cross_entropy, loss_chunk_tokens)
+    options = Options(rms_norm, rope, swiglu, cross_entropy, fused_linear_cross_entropy, loss_chunk_tokens)
     if isinstance(model_or_model_type, str):
         _unpatch_family(model_or_model_type)
         _patch_family(model_or_model_type, options)
     else:
-        model = _unwrap(model_or_model_type)
+        model = unwrap(model_or_model_type)
         _unpatch_model(model)
         _patch_model(model, options)
     return model_or_model_type
@@ -84,21 +83,21 @@ def unpatch(model_or_model_type: _M) -> _M:
     if isinstance(model_or_model_type, str):
         _unpatch_family(model_or_model_type)
     else:
-        _unpatch_model(_unwrap(model_or_model_type))
+        _unpatch_model(unwrap(model_or_model_type))
     return model_or_model_type
 
 
 def patch_options(model: object) -> dict[str, object] | None:
     """The keywords of the :func:`patch` that patched this model in place (a wrapper is looked through), or None
     when it was not patched by instance: what another model must be given to compute exactly as it does."""
-    options = _INSTANCE_OPTIONS.get(_unwrap(model))
+    options = _INSTANCE_OPTIONS.get(unwrap(model))
     return None if options is None else dataclasses.asdict(options)
 
 
-_INSTANCE_OPTIONS: weakref.WeakKeyDictionary[nn.Module, _Options] = weakref.WeakKeyDictionary()
+_INSTANCE_OPTIONS: weakref.WeakKeyDictionary[nn.Module, Options] = weakref.WeakKeyDictionary()
 
 
-def _unwrap(model: object) -> nn.Module:
+def unwrap(model: object) -> nn.Module:
     """The transformers model inside ``model`` (itself, or the model a PEFT wrapper holds)."""
     from transformers import PreTrainedModel
 
@@ -132,33 +131,33 @@ class _FamilyPatch:
 _FAMILY_PATCHES: dict[str, _FamilyPatch] = {}
 
 
-def _patch_family(model_type: str, options: _Options) -> None:
-    family, modeling = _family(model_type), _modeling(model_type)
+def _patch_family(model_type: str, options: Options) -> None:
+    family, modeling = family_row(model_type), modeling_of(model_type)
     record = _FAMILY_PATCHES[model_type] = _FamilyPatch()
-    pieces = _fused_classes(family, modeling, options)
+    pieces = fused_classes(family, modeling, options)
     replacements = [(modeling, name, piece.fused) for name, piece in pieces.items()]
     if options.rope and family.rope:
-        replacements.append((modeling, _ROPE_FUNCTION, _rope_dispatcher(family, modeling)))
+        replacements.append((modeling, ROPE_FUNCTION, rope_dispatcher(family, modeling)))
     if options.loss:
-        forward = _loss_forward_of(
+        forward = loss_forward_of(
             model_type, options.fused_linear_cross_entropy, options.cross_entropy, options.loss_chunk_tokens
         )
-        replacements.append((_causal_lm(model_type), "forward", forward))
+        replacements.append((causal_lm_class(model_type), "forward", forward))
     fused_names = {piece.original.__name__: piece.fused.__name__ for piece in pieces.values()}
     for cls in vars(modeling).values():  # the model classes' _no_split_modules, which models built now start from
         kept = isinstance(cls, type) and cls.__dict__.get("_no_split_modules")
         if kept and any(name in fused_names for name in kept):
             replacements.append((cls, "_no_split_modules", _with_fused_names(kept, fused_names)))
     for owner, name, replacement in replacements:
-        _hold(owner, name, replacement, record)
+        hold(owner, name, replacement, record)
         record.held.append((owner, name))
 
 
 def _unpatch_family(model_type: str) -> None:
-    _family(model_type)
+    family_row(model_type)
     record = _FAMILY_PATCHES.pop(model_type, None)
     for owner, name in record.held if record is not None else ():
-        _release(owner, name, record)
+        release(owner, name, record)
 
 
 def _with_fused_names(no_split: object, fused_names: dict[str, str]) -> list[str] | set[str]:
@@ -175,7 +174,7 @@ def _set_class(module: nn.Module, cls: type) -> None:
     """``module.__class__ = cls``, and a forward of the old class bound to the instance follows: accelerate's hooks
     keep the forward they wrapped in ``_old_forward`` (and ``remove_hook_from_module`` puts it in ``forward``), a
     bound method that would go on running the class the module had when it was hooked."""
-    bound = [slot for slot in ("forward", "_old_forward") if _is_class_forward(module, module.__dict__.get(slot))]
+    bound = [slot for slot in ("forward", "_old_forward") if is_class_forward(module, module.__dict__.get(slot))]
     module.__class__ = cls
     for slot in bound:
         setattr(module, slot, types.MethodType(cls.forward, module))
@@ -184,7 +183,7 @@ def _set_class(module: nn.Module, cls: type) -> None:
 def _check_language_model(model_type: str, config: object) -> None:
     """A family whose language model is another family's classes (``causal_lm_module``: LLaVA's) fuses those classes
     only: a model whose text config is of another family would run unfused, so it is refused."""
-    family = _family(model_type)
+    family = family_row(model_type)
     text_type = config.get_text_config().model_type
     if family.causal_lm_module is not None and text_type != family.module:
         raise ValueError(
@@ -193,14 +192,14 @@ def _check_language_model(model_type: str, config: object) -> None:
         )
 
 
-def _patch_model(model: nn.Module, options: _Options) -> None:
+def _patch_model(model: nn.Module, options: Options) -> None:
     model_type = getattr(model.config, "model_type", None)
-    family, modeling = _family(model_type), _modeling(model_type)
+    family, modeling = family_row(model_type), modeling_of(model_type)
     _check_language_model(model_type, model.config)
-    pieces = _fused_classes(family, modeling, options)
+    pieces = fused_classes(family, modeling, options)
     # The language model's activation (a vision-language model's config holds it in its text config).
     activation = getattr(model.config.get_text_config(), family.act_attr, None)
-    if _gated_kernel(activation) is None:  # the gated pieces (dense MLP, experts) have SwiGLU and GeGLU kernels
+    if gated_kernel(activation) is None:  # the gated pieces (dense MLP, experts) have SwiGLU and GeGLU kernels
         for name, piece in list(pieces.items()):
             if piece.kind.gated:
                 kind = piece.kind.suffix
@@ -221,41 +220,32 @@ def _patch_model(model: nn.Module, options: _Options) -> None:
         if name.rpartition(".")[2] in family.in_place_norms:
             module.in_place_backward = True
     if options.rope and family.rope:
-        _hold(modeling, _ROPE_FUNCTION, _rope_dispatcher(family, modeling), model)
-    causal_lm = _causal_lm(model_type)
+        hold(modeling, ROPE_FUNCTION, rope_dispatcher(family, modeling), model)
+    causal_lm = causal_lm_class(model_type)
     # A subclass with its own forward, or a family patched at class level, keeps the forward it has.
-    if options.loss and isinstance(model, causal_lm) and type(model).forward is _original(causal_lm, "forward"):
-        forward = _BoundForward(
+    if options.loss and isinstance(model, causal_lm) and type(model).forward is original_of(causal_lm, "forward"):
+        set_patched_forward(
             model, model_type, fused=options.fused_linear_cross_entropy, cross_entropy=options.cross_entropy,
             chunk_tokens=options.loss_chunk_tokens,
         )  # fmt: skip
-        setattr(model, _forward_slot(model), forward)
-        _PATCHED_FORWARDS[model] = weakref.ref(forward)
     _INSTANCE_OPTIONS[model] = options
 
 
 def _unpatch_model(model: nn.Module) -> None:
     model_type = getattr(model.config, "model_type", None)
-    _family(model_type)
-    modeling = _modeling(model_type)
-    fused_names = {fused.__name__ for fused in _UNFUSED}
+    family_row(model_type)
+    modeling = modeling_of(model_type)
+    fused_names = {fused.__name__ for fused in UNFUSED}
     for module in model.modules():
         no_split = module.__dict__.get("_no_split_modules")
         if no_split and fused_names.intersection(no_split):
             kept = [name for name in no_split if name not in fused_names]
             module._no_split_modules = set(kept) if isinstance(no_split, set) else kept
-        original = _UNFUSED.get(type(module))
+        original = UNFUSED.get(type(module))
         if original is not None:
             _set_class(module, original)
             module.__dict__.pop("in_place_backward", None)
-            _release(modeling, _ROPE_FUNCTION, module)  # held by an unpickled fused attention
-    for slot in ("forward", "_old_forward"):
-        forward = model.__dict__.get(slot)
-        if isinstance(forward, _BoundForward) and forward.__self__ is model:
-            forward.put_back(slot)
+            release(modeling, ROPE_FUNCTION, module)  # held by an unpickled fused attention
+    remove_patched_forward(model)
     _INSTANCE_OPTIONS.pop(model, None)
-    reference = _PATCHED_FORWARDS.pop(model, None)
-    buried = reference() if reference is not None else None
-    if buried is not None:  # inside a forward another library set after patch, which still calls it
-        buried.active = False
-    _release(modeling, _ROPE_FUNCTION, model)
+    release(modeling, ROPE_FUNCTION, model)

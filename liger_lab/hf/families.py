@@ -7,7 +7,7 @@ whose forward computes every logit and then the loss. A mixture of experts (Qwen
 DeepSeek-V3, GLM-4.5) keeps every expert's weights in one ``...Experts`` module of two 3-D tensors, run by
 transformers' Python loop over the experts or by one of its kernels (``experts_implementation``, ``"grouped_mm"`` by
 default where it runs): the loop gets the fused SwiGLU (GeGLU for Gemma 4), the kernels and the router stay
-transformers', and the report says which runs. A row (:class:`_Family`) is all that patching knows of a family: how
+transformers', and the report says which runs. A row (:class:`Family`) is all that patching knows of a family: how
 it names those classes, which of them it has, and how they compute where families differ. What a family computes
 differently from the fused pieces (GPT-OSS's clamped experts, interleaved or one-tensor RoPE) stays transformers',
 and its row records why for the report to say.
@@ -19,7 +19,7 @@ Adding a family is adding a row, keyed by its model type:
   suffix (Gemma 4's norm and causal LM; a multimodal model's ``...ForConditionalGeneration`` goes under
   ``"ForCausalLM"``: the loss forward reads its ``lm_head`` and the base model under its ``base_model_prefix``), and
   ``module`` the modeling module when it is not named after the model type (``gemma3_text`` is in ``gemma3``).
-* Flags say which pieces it has, each a kind of :data:`~liger_lab.hf.registry._PIECE_KINDS` (whose ``flag`` names
+* Flags say which pieces it has, each a kind of :data:`~liger_lab.hf.registry.PIECE_KINDS` (whose ``flag`` names
   the field): every family an RMSNorm; ``mlp`` a dense gated MLP, ``rope`` an attention whose RoPE is rotate_half's,
   ``add_norm`` a decoder layer written as Llama's, ``experts`` 3-D experts.
 * How they compute, where families differ: ``norm`` (where the RMSNorm rounds), ``act_attr`` (the config attribute
@@ -28,7 +28,7 @@ Adding a family is adding a row, keyed by its model type:
 
 Then the family gets a tiny config in ``tests/test_patching.py`` (``FAMILY_CONFIG``), and every test that runs over
 :data:`FAMILIES` runs on it: a training step against transformers, the kernel of every piece, the rounding of its
-norms, pickling. A kind of piece that no family had yet (a vision tower's MLP, say) is one entry of ``_PIECE_KINDS``,
+norms, pickling. A kind of piece that no family had yet (a vision tower's MLP, say) is one entry of ``PIECE_KINDS``,
 a flag here, and its builder in :mod:`liger_lab.hf.modules`.
 
 A vision-language model (``...ForConditionalGeneration``) is a row like any other, under its ``model_type``: its
@@ -46,11 +46,11 @@ import importlib
 import types
 from dataclasses import dataclass, replace
 
-from liger_lab.hf.registry import _PIECE_KINDS
+from liger_lab.hf.registry import PIECE_KINDS
 
 
 @dataclass(frozen=True)
-class _Family:
+class Family:
     """How one transformers family names and wires the pieces that get fused: one row of :data:`FAMILIES`."""
 
     prefix: str  # class-name prefix in the modeling module: "Llama" -> LlamaRMSNorm, LlamaMLP, LlamaAttention, ...
@@ -89,8 +89,8 @@ class _Family:
 
     @property
     def pieces(self) -> tuple[str, ...]:
-        """Class-name suffixes of the pieces this family has fused versions of (kinds of ``_PIECE_KINDS``)."""
-        return tuple(suffix for suffix, kind in _PIECE_KINDS.items() if kind.flag is None or getattr(self, kind.flag))
+        """Class-name suffixes of the pieces this family has fused versions of (kinds of ``PIECE_KINDS``)."""
+        return tuple(suffix for suffix, kind in PIECE_KINDS.items() if kind.flag is None or getattr(self, kind.flag))
 
     def name(self, suffix: str) -> str:
         """The class name of a piece (a suffix of :attr:`pieces`, ``"Experts"`` or ``"ForCausalLM"``)."""
@@ -98,8 +98,8 @@ class _Family:
 
 
 # Text families whose rows a vision-language family's row reuses (its language model is theirs).
-_LLAMA = _Family("Llama", add_norm=True)
-_GEMMA3_TEXT = _Family(
+_LLAMA = Family("Llama", add_norm=True)
+_GEMMA3_TEXT = Family(
     "Gemma3", norm="gemma", act_attr="hidden_activation", module="gemma3",
     in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
 )  # fmt: skip
@@ -118,40 +118,40 @@ _QWEN_VISION_TOWER = (
 # Qwen3.5's linear-attention (Gated DeltaNet) layers end in a norm of another formula.
 _GATED_NORM = ("gated RMSNorm", "RMSNormGated, norm(x) * w * silu(z) in the linear-attention layers: no fused kernel")
 
-FAMILIES: dict[str, _Family] = {
+FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
-    "mistral": _Family("Mistral", add_norm=True),
-    "qwen2": _Family("Qwen2", add_norm=True),
-    "qwen3": _Family("Qwen3", add_norm=True),
-    "gemma": _Family("Gemma", norm="gemma"),
-    "gemma2": _Family(
+    "mistral": Family("Mistral", add_norm=True),
+    "qwen2": Family("Qwen2", add_norm=True),
+    "qwen3": Family("Qwen3", add_norm=True),
+    "gemma": Family("Gemma", norm="gemma"),
+    "gemma2": Family(
         "Gemma2", norm="gemma", act_attr="hidden_activation",
         in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
     ),
-    "phi3": _Family("Phi3", fused_gate_up=True),
+    "phi3": Family("Phi3", fused_gate_up=True),
     "gemma3_text": _GEMMA3_TEXT,
-    "qwen3_moe": _Family("Qwen3Moe", experts=True),  # dense layers (mlp_only_layers) have a Qwen3MoeMLP
-    "mixtral": _Family("Mixtral", mlp=False, experts=True),
+    "qwen3_moe": Family("Qwen3Moe", experts=True),  # dense layers (mlp_only_layers) have a Qwen3MoeMLP
+    "mixtral": Family("Mixtral", mlp=False, experts=True),
     # Norms after attention and after the MLP, each output added to the residual: none may reuse its gradient.
-    "olmo2": _Family("Olmo2", norm="fp32_weight", in_place_norms=()),
-    "granite": _Family("Granite"),  # its logits are divided by config.logits_scaling, in the loss too
-    "smollm3": _Family("SmolLM3", add_norm=True),  # some layers skip RoPE: they never call apply_rotary_pos_emb
-    "glm4": _Family(
+    "olmo2": Family("Olmo2", norm="fp32_weight", in_place_norms=()),
+    "granite": Family("Granite"),  # its logits are divided by config.logits_scaling, in the loss too
+    "smollm3": Family("SmolLM3", add_norm=True),  # some layers skip RoPE: they never call apply_rotary_pos_emb
+    "glm4": Family(
         "Glm4", fused_gate_up=True, rope=False,
         left_alone=(("RoPE", "interleaved pairs, which the fused kernel does not rotate"),),
     ),
     # Qwen3.5 (the text model): (1 + w) norms, q_norm and k_norm too; partial RoPE on the full-attention layers (its
     # multimodal position tables are plain cos and sin by then). The decoder's add is not fused: add_norm is written
     # for Llama's norm.
-    "qwen3_5_text": _Family("Qwen3_5", norm="gemma", module="qwen3_5", left_alone=(_GATED_NORM,)),
+    "qwen3_5_text": Family("Qwen3_5", norm="gemma", module="qwen3_5", left_alone=(_GATED_NORM,)),
     # Qwen3.5's layers with a mixture of experts: its shared expert is a Qwen3_5MoeMLP (its sigmoid gate stays).
-    "qwen3_5_moe_text": _Family(
+    "qwen3_5_moe_text": Family(
         "Qwen3_5Moe", norm="gemma", module="qwen3_5_moe", experts=True, left_alone=(_GATED_NORM,)
     ),
     # Gemma 4 (text): w, not 1 + w, multiplied in fp32 and rounded once (OLMo 2's rounding); GeGLU in the MLP and in
     # the experts (26B-A4B's layers run both and add them). Sandwich norms, per-layer inputs, layer scalars: no fused
     # add.
-    "gemma4_text": _Family(
+    "gemma4_text": Family(
         "Gemma4Text", norm="fp32_weight", act_attr="hidden_activation", module="gemma4", experts=True, rope=False,
         in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
         names=(("RMSNorm", "Gemma4RMSNorm"), ("ForCausalLM", "Gemma4ForCausalLM")),
@@ -163,7 +163,7 @@ FAMILIES: dict[str, _Family] = {
     ),
     # GPT-OSS: its norm rounds as OLMo 2's; RoPE is rotate_half's on half tables. The attention sinks join
     # transformers' attention, which no family fuses. Every layer is a mixture of experts (GptOssMLP is that block).
-    "gpt_oss": _Family(
+    "gpt_oss": Family(
         "GptOss", norm="fp32_weight", mlp=False, rope_half_tables=True,
         left_alone=(
             ("experts", "clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, "
@@ -172,7 +172,7 @@ FAMILIES: dict[str, _Family] = {
     ),
     # Llama 4 (text): Llama's norm (its eps named eps), SwiGLU MLPs (the dense layers and each MoE layer's shared
     # expert). The decoder layer calls its MLP feed_forward and unpacks the MoE's tuple: no fused add.
-    "llama4_text": _Family(
+    "llama4_text": Family(
         "Llama4Text", module="llama4", rope=False, names=(("ForCausalLM", "Llama4ForCausalLM"),),
         left_alone=(
             ("RoPE", "complex multiplication of interleaved pairs (apply_rotary_emb), not rotate_half"),
@@ -182,12 +182,12 @@ FAMILIES: dict[str, _Family] = {
         ),
     ),
     # OLMo 3: OLMo 2's layer, with sliding-window layers.
-    "olmo3": _Family("Olmo3", norm="fp32_weight", in_place_norms=()),
+    "olmo3": Family("Olmo3", norm="fp32_weight", in_place_norms=()),
     # Ministral 3: Mistral's layer; its queries are scaled by Llama 4's position-dependent factor after RoPE.
-    "ministral3": _Family("Ministral3", add_norm=True),
+    "ministral3": Family("Ministral3", add_norm=True),
     # DeepSeek-V3: MLA attention, whose low-rank q and kv norms (q_a_layernorm, kv_a_layernorm) are fused too; dense
     # first layers and each MoE layer's shared experts are a DeepseekV3MLP; the routed experts are 3-D.
-    "deepseek_v3": _Family(
+    "deepseek_v3": Family(
         "DeepseekV3", experts=True, rope=False, add_norm=True,
         left_alone=(
             ("RoPE", "MLA's decoupled RoPE, on a qk_rope_head_dim slice of q and one key head shared by all heads, "
@@ -196,14 +196,14 @@ FAMILIES: dict[str, _Family] = {
         ),
     ),
     # GLM-4.5 (MoE): unlike GLM-4, rotate_half RoPE on part of each head; Llama's layer, optional q and k norms.
-    "glm4_moe": _Family("Glm4Moe", experts=True, add_norm=True),
+    "glm4_moe": Family("Glm4Moe", experts=True, add_norm=True),
     # Vision-language models: the language model is fused, the loss runs on the conditional generation's lm_head (the
     # labels shifted, num_items_in_batch and logits_to_keep honoured, as its ForCausalLMLoss does), and the vision
     # tower and the projector stay transformers' but for a norm of the language model's class.
     # Qwen2.5-VL: Qwen2's decoder layer (its MLP class is still called Qwen2MLP; Qwen2_5_VLMLP is the vision blocks'),
     # multimodal RoPE as above. Its vision blocks and patch merger normalise with Qwen2_5_VLRMSNorm, the language
     # model's class, so those norms are fused too: the same formula.
-    "qwen2_5_vl": _Family(
+    "qwen2_5_vl": Family(
         "Qwen2_5_VL", add_norm=True,
         names=(("MLP", "Qwen2MLP"), ("ForCausalLM", "Qwen2_5_VLForConditionalGeneration")),
         left_alone=(
@@ -213,7 +213,7 @@ FAMILIES: dict[str, _Family] = {
     ),
     # Qwen3-VL: Qwen3's layer (q and k norms) under Qwen3VLText names. Its multimodal RoPE interleaves the streams (t h
     # w t h w ...), and that too is built into cos and sin once per forward: the attention's rotation is plain.
-    "qwen3_vl": _Family(
+    "qwen3_vl": Family(
         "Qwen3VLText", add_norm=True, names=(("ForCausalLM", "Qwen3VLForConditionalGeneration"),),
         left_alone=(
             ("vision tower", f"{_QWEN_VISION_TOWER}; its norms are LayerNorms and its MLP has no gate"),
@@ -244,7 +244,7 @@ FAMILIES: dict[str, _Family] = {
 """Model types (``config.model_type``) that :func:`~liger_lab.hf.patch` supports."""
 
 
-def _family(model_type: object) -> _Family:
+def family_row(model_type: object) -> Family:
     if model_type not in FAMILIES:
         raise ValueError(f"model type {model_type!r} is not supported: expected one of {sorted(FAMILIES)}")
     return FAMILIES[model_type]
@@ -254,19 +254,20 @@ def _import_modeling(module: str) -> types.ModuleType:
     return importlib.import_module(f"transformers.models.{module}.modeling_{module}")
 
 
-def _modeling(model_type: str) -> types.ModuleType:
+def modeling_of(model_type: str) -> types.ModuleType:
     """The modeling module that holds a family's pieces."""
     return _import_modeling(FAMILIES[model_type].module or model_type if model_type in FAMILIES else model_type)
 
 
-def _causal_lm_modeling(model_type: str) -> types.ModuleType:
-    """The modeling module that holds a family's causal LM: the pieces' (:func:`_modeling`) or ``causal_lm_module``."""
+def causal_lm_modeling(model_type: str) -> types.ModuleType:
+    """The modeling module that holds a family's causal LM: the pieces' (:func:`modeling_of`) or
+    ``causal_lm_module``."""
     module = FAMILIES[model_type].causal_lm_module
-    return _modeling(model_type) if module is None else _import_modeling(module)
+    return modeling_of(model_type) if module is None else _import_modeling(module)
 
 
 @dataclass(frozen=True)
-class _Options:
+class Options:
     """The options of one :func:`~liger_lab.hf.patch` call: its keywords, which the piece kinds name."""
 
     rms_norm: bool

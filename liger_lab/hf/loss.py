@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_lab.hf.families import _causal_lm_modeling, _family
-from liger_lab.hf.registry import _original
+from liger_lab.hf.families import causal_lm_modeling, family_row
+from liger_lab.hf.registry import original_of
 from liger_lab.nn.mlp import outputs_observed
 from liger_lab.ops import cross_entropy as ce_ops
 from liger_lab.ops import fused_linear_cross_entropy as flce_ops
@@ -126,21 +126,21 @@ def _output_of(signature: inspect.Signature) -> _Output:
 _LOSS_FORWARDS: dict[tuple[str, bool, bool, int | None], Callable[..., Any]] = {}
 
 
-def _loss_forward_of(model_type: str, fused: bool, cross_entropy: bool, chunk_tokens: int | None) -> Callable[..., Any]:
+def loss_forward_of(model_type: str, fused: bool, cross_entropy: bool, chunk_tokens: int | None) -> Callable[..., Any]:
     """The family's ``...ForCausalLM.forward`` wrapped by :func:`_causal_lm_forward` (one per choice). A
     plain dict, not ``functools.cache``: torch.compile traces a dict lookup, but warns on a cache wrapper."""
     key = (model_type, fused, cross_entropy, chunk_tokens)
     if key not in _LOSS_FORWARDS:
-        original = _original(_causal_lm(model_type), "forward")
+        original = original_of(causal_lm_class(model_type), "forward")
         _LOSS_FORWARDS[key] = _causal_lm_forward(
             original, fused=fused, cross_entropy=cross_entropy, chunk_tokens=chunk_tokens
         )
     return _LOSS_FORWARDS[key]
 
 
-def _causal_lm(model_type: str) -> type:
+def causal_lm_class(model_type: str) -> type:
     """The family's causal LM class (a vision-language model's ``...ForConditionalGeneration``)."""
-    return getattr(_causal_lm_modeling(model_type), _family(model_type).name("ForCausalLM"))
+    return getattr(causal_lm_modeling(model_type), family_row(model_type).name("ForCausalLM"))
 
 
 _REPORTED_FALLBACKS: set[tuple[str, str]] = set()
@@ -224,7 +224,7 @@ def _loss_forward(
         kept, hidden = kept / logits_scaling, hidden / logits_scaling  # the same logits, by linearity
 
     head, logits = self.lm_head, None
-    parts = _fused_head(head) if fused else None
+    parts = fused_head(head) if fused else None
     if isinstance(parts, str):
         _report_fallback(type(self).__name__, parts)
     if isinstance(parts, _Head):
@@ -375,7 +375,7 @@ def _lora_head(head: nn.Module) -> _Head | str:
     return _Head(head.base_layer, _LoraTerm(a, b, head.lora_dropout[name], head.scaling[name]))
 
 
-def _fused_head(head: nn.Module) -> _Head | str:
+def fused_head(head: nn.Module) -> _Head | str:
     """What the fused loss computes this ``lm_head``'s logits from, or why it cannot (then the logits are
     materialised): an ``nn.Linear``, or a PEFT LoRA layer on one."""
     if _is_lora_layer(head):
@@ -404,7 +404,7 @@ def _has_accelerate_hook(module: nn.Module) -> bool:
     return "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__
 
 
-def _forward_slot(module: nn.Module) -> str:
+def forward_slot(module: nn.Module) -> str:
     """The instance attribute holding the forward that a call of ``module`` ends in: ``_old_forward`` under
     accelerate's hooks, so that they keep running around whatever is put there; ``forward`` otherwise."""
     return "_old_forward" if _has_accelerate_hook(module) else "forward"
@@ -419,13 +419,13 @@ def _as_forward_of(module: nn.Module, compute: Callable[[torch.Tensor], torch.Te
     again around the backward, where they also reduce-scatter its gradient. An ``lm_head`` under accelerate's
     hooks (``dispatch_model``, ``cpu_offload``) gets its input moved to its device, and an offloaded weight
     loaded, by the hook around its call. The fused loss reads the weight without calling the module, so it borrows
-    the call: the forward the call ends in (:func:`_forward_slot`) is ``compute`` for the duration, and the hooks
+    the call: the forward the call ends in (:func:`forward_slot`) is ``compute`` for the duration, and the hooks
     run around it as around the matmul they expected (casting ``x`` too, under a mixed-precision policy). Then the
     instance gets back exactly what it held. Any other module is not touched: a hook of its own (one that logs the
     logits, say) expects logits, not a loss, so it does not run, as when the fused loss reads the weight directly."""
     if not (_is_fsdp_unit(module) or _has_accelerate_hook(module)):
         return compute(x)
-    slot = _forward_slot(module)
+    slot = forward_slot(module)
     held = module.__dict__.get(slot)  # accelerate's wrapped forward, or None: the class's forward
     setattr(module, slot, compute)
     try:
@@ -441,7 +441,7 @@ def _as_forward_of(module: nn.Module, compute: Callable[[torch.Tensor], torch.Te
 # A patched model's own forward.
 
 
-def _is_class_forward(module: nn.Module, forward: object) -> bool:
+def is_class_forward(module: nn.Module, forward: object) -> bool:
     """Whether ``forward`` is the module's class forward bound to it (what accelerate keeps of a module it hooks)."""
     bound = isinstance(forward, types.MethodType) and forward.__self__ is module
     return bound and forward.__func__ is type(module).forward
@@ -464,7 +464,7 @@ class _BoundForward:
     dataset columns). Unlike a bound method of a function made at patch time, it pickles and deep-copies:
     as the model and the options that choose the function.
 
-    It stands in the model's forward slot (:func:`_forward_slot`) in place of ``displaced``, what the instance held
+    It stands in the model's forward slot (:func:`forward_slot`) in place of ``displaced``, what the instance held
     there (None: nothing), which :meth:`put_back` restores. A ``displaced`` forward other than the class's own is
     another library's (TRL's ``add_fused_lm_head``): it is ``kept`` and gets every call the fused loss does not take,
     and every call passing one of the keywords only it names. After unpatch the object may still be called, by a
@@ -485,8 +485,8 @@ class _BoundForward:
         self.fused = fused
         self.cross_entropy = cross_entropy
         self.chunk_tokens = chunk_tokens
-        self.displaced = model.__dict__.get(_forward_slot(model))
-        if self.displaced is not None and not _is_class_forward(model, self.displaced):
+        self.displaced = model.__dict__.get(forward_slot(model))
+        if self.displaced is not None and not is_class_forward(model, self.displaced):
             self.kept = self.displaced
             self.kept_keywords = _own_keywords(self.kept, self.__func__)
         self._make_function()
@@ -498,11 +498,11 @@ class _BoundForward:
     def _make_function(self) -> None:
         # Made here, outside any call: torch.compile then traces only the lookup of a function that exists
         # (tracing its first construction, which reads the swap registry, has failed inside Dynamo).
-        _loss_forward_of(self.model_type, self.fused, self.cross_entropy, self.chunk_tokens)
+        loss_forward_of(self.model_type, self.fused, self.cross_entropy, self.chunk_tokens)
 
     @property
     def __func__(self) -> Callable[..., Any]:
-        return _loss_forward_of(self.model_type, self.fused, self.cross_entropy, self.chunk_tokens)
+        return loss_forward_of(self.model_type, self.fused, self.cross_entropy, self.chunk_tokens)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -537,7 +537,30 @@ class _BoundForward:
 _PATCHED_FORWARDS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[_BoundForward]] = weakref.WeakKeyDictionary()
 
 
-def _patched_forward(model: nn.Module) -> _BoundForward | None:
+def set_patched_forward(
+    model: nn.Module, model_type: str, *, fused: bool, cross_entropy: bool, chunk_tokens: int | None
+) -> None:
+    """Give a model its own fused-loss forward (a :class:`_BoundForward` with these options) in its forward slot,
+    remembered so that :func:`remove_patched_forward` finds it also inside a forward set around it later."""
+    forward = _BoundForward(model, model_type, fused=fused, cross_entropy=cross_entropy, chunk_tokens=chunk_tokens)
+    setattr(model, forward_slot(model), forward)
+    _PATCHED_FORWARDS[model] = weakref.ref(forward)
+
+
+def remove_patched_forward(model: nn.Module) -> None:
+    """Undo :func:`set_patched_forward`: each forward slot gets back what it held before, and a fused forward that
+    another library's forward still calls (set around it after patch) passes every call on from now on."""
+    for slot in ("forward", "_old_forward"):
+        forward = model.__dict__.get(slot)
+        if isinstance(forward, _BoundForward) and forward.__self__ is model:
+            forward.put_back(slot)
+    reference = _PATCHED_FORWARDS.pop(model, None)
+    buried = reference() if reference is not None else None
+    if buried is not None:  # inside a forward another library set after patch, which still calls it
+        buried.active = False
+
+
+def patched_forward(model: nn.Module) -> _BoundForward | None:
     """The model's active :class:`_BoundForward`, wherever it is: in a forward slot of the instance (a copy or an
     unpickled model finds its own there), or inside a forward another library set around it after patch."""
     for slot in ("forward", "_old_forward"):

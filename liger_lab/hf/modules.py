@@ -1,9 +1,9 @@
 """The fused modules: a subclass of each transformers class that gets fused, which overrides ``forward`` only.
 
 ``isinstance`` checks, weight initialisation, state dicts and ``save_pretrained`` see the transformers classes the
-fused ones derive from. Per kind of piece (``registry._PIECE_KINDS``):
+fused ones derive from. Per kind of piece (``registry.PIECE_KINDS``):
 
-* RMSNorm: the fused norm, rounding where the family's norm rounds (``_Family.norm``);
+* RMSNorm: the fused norm, rounding where the family's norm rounds (``Family.norm``);
 * MLP: ``down(act(gate) * up)`` with ``act(gate) * up`` fused (SwiGLU, GeGLU);
 * Experts: transformers' eager loop over the experts of a mixture, with the same fused product;
 * DecoderLayer: Llama's layer with the add before the MLP's norm fused into the norm (``add_rms_norm``);
@@ -28,22 +28,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_lab.hf.families import FAMILIES, _Family, _modeling, _Options
+from liger_lab.hf.families import FAMILIES, Family, Options, modeling_of
 from liger_lab.hf.registry import (
-    _FUSED_NAMES,
-    _PIECE_KINDS,
-    _UNFUSED,
-    _fused_subclass,
-    _hold,
-    _original,
-    _PieceKind,
+    FUSED_NAMES,
+    PIECE_KINDS,
+    UNFUSED,
+    PieceKind,
+    fused_subclass,
+    hold,
+    original_of,
 )
 from liger_lab.nn.mlp import GeGLUMLP, SwiGLUMLP, outputs_observed
+from liger_lab.ops import glu as glu_ops
 from liger_lab.ops import rms_norm as rms_norm_ops
 from liger_lab.ops import rope as rope_ops
-from liger_lab.ops import swiglu as glu_ops
 
-_ROPE_FUNCTION = "apply_rotary_pos_emb"
+ROPE_FUNCTION = "apply_rotary_pos_emb"
 """The modeling module's free function that its attention calls by name, and that the dispatcher replaces."""
 
 
@@ -59,7 +59,7 @@ def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _fp32_weight_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if getattr(self, "weight", None) is None:  # Gemma 4's with_scale=False: nothing for the kernel to scale by
-        return _UNFUSED[type(self)].forward(self, hidden_states)
+        return UNFUSED[type(self)].forward(self, hidden_states)
     # (w * xhat).to(dtype) with both in fp32: the kernel's "gemma" casting, without Gemma's offset.
     return rms_norm_ops.rms_norm(
         hidden_states, self.weight, _eps(self), casting_mode="gemma", in_place_backward=self.in_place_backward
@@ -79,13 +79,13 @@ _NORM_FORWARDS = {
 }
 
 
-def _norm_class(family: _Family, modeling: types.ModuleType, original: type) -> type:
+def _norm_class(family: Family, modeling: types.ModuleType, original: type) -> type:
     forward = _NORM_FORWARDS[family.norm]
     # A class-level default; patch(model) turns it on per module where the gradient may be reused.
-    return _fused_subclass(original, forward, in_place_backward=False)
+    return fused_subclass(original, forward, in_place_backward=False)
 
 
-def _gated_kernel(activation: object) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+def gated_kernel(activation: object) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """The fused ``act(gate) * up`` for a transformers activation name, None when there is none."""
     if activation in SwiGLUMLP.hf_activations:
         return glu_ops.swiglu
@@ -94,9 +94,9 @@ def _gated_kernel(activation: object) -> Callable[[torch.Tensor, torch.Tensor], 
     return None
 
 
-def _mlp_class(family: _Family, modeling: types.ModuleType, original: type) -> type:
+def _mlp_class(family: Family, modeling: types.ModuleType, original: type) -> type:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = _gated_kernel(getattr(self.config, family.act_attr, None))
+        kernel = gated_kernel(getattr(self.config, family.act_attr, None))
         if kernel is None:  # an activation with no fused kernel: keep transformers' computation
             return original.forward(self, x)
         projections = (self.gate_up_proj,) if family.fused_gate_up else (self.gate_proj, self.up_proj)
@@ -108,10 +108,10 @@ def _mlp_class(family: _Family, modeling: types.ModuleType, original: type) -> t
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(kernel(gate, up, in_place_backward=in_place))
 
-    return _fused_subclass(original, forward)
+    return fused_subclass(original, forward)
 
 
-def _experts_fallback(family: _Family, experts: nn.Module) -> str | None:
+def experts_fallback(family: Family, experts: nn.Module) -> str | None:
     """Why an experts module runs transformers' forward rather than the fused loop, or None when it runs the loop.
 
     transformers 5 dispatches an experts module's forward on ``config._experts_implementation``: ``"eager"`` (or
@@ -120,7 +120,7 @@ def _experts_fallback(family: _Family, experts: nn.Module) -> str | None:
     is left as it is."""
     config = getattr(experts, "config", None)
     activation = getattr(config, family.act_attr, None)
-    if _gated_kernel(activation) is None:
+    if gated_kernel(activation) is None:
         return f"activation {activation!r} is not SiLU or tanh GELU, the ones fused for experts"
     implementation = getattr(config, "_experts_implementation", None)
     if implementation not in (None, "eager"):
@@ -168,20 +168,20 @@ def _gated_experts(
     return final
 
 
-def _experts_class(family: _Family, modeling: types.ModuleType, original: type) -> type:
+def _experts_class(family: Family, modeling: types.ModuleType, original: type) -> type:
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         # Decided per call: set_experts_implementation can switch a built model between the loop and a kernel.
-        if _experts_fallback(family, self) is not None:
+        if experts_fallback(family, self) is not None:
             return original.forward(self, hidden_states, top_k_index, top_k_weights)
-        glu = _gated_kernel(getattr(self.config, family.act_attr))
+        glu = gated_kernel(getattr(self.config, family.act_attr))
         return _gated_experts(self, hidden_states, top_k_index, top_k_weights, glu)
 
-    return _fused_subclass(original, forward)
+    return fused_subclass(original, forward)
 
 
-def _decoder_layer_class(family: _Family, modeling: types.ModuleType, original: type) -> type:
+def _decoder_layer_class(family: Family, modeling: types.ModuleType, original: type) -> type:
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         post_norm = self.post_attention_layernorm
         # Not the layout fused here, or a norm whose call something watches (a forward hook that records its
@@ -201,7 +201,7 @@ def _decoder_layer_class(family: _Family, modeling: types.ModuleType, original: 
         )
         return hidden_states + self.mlp(normed)
 
-    return _fused_subclass(original, forward)
+    return fused_subclass(original, forward)
 
 
 def _fused_rotary_pos_emb(
@@ -246,7 +246,7 @@ class _FusedRopeDepth(threading.local):
 _FusedRope = _FusedRopeDepth()
 
 
-def _attention_class(family: _Family, modeling: types.ModuleType, original: type) -> type:
+def _attention_class(family: Family, modeling: types.ModuleType, original: type) -> type:
     def forward(self, *args, **kwargs):
         _FusedRope.depth += 1
         try:
@@ -258,19 +258,19 @@ def _attention_class(family: _Family, modeling: types.ModuleType, original: type
         # Unpickled (torch.load, possibly in another process) or deep-copied: nothing else may hold the rope
         # swap for this module, so it holds it itself, until it is collected or its model unpatched.
         original.__setstate__(self, state)
-        _hold(modeling, _ROPE_FUNCTION, _rope_dispatcher(family, modeling), self)
+        hold(modeling, ROPE_FUNCTION, rope_dispatcher(family, modeling), self)
 
-    return _fused_subclass(original, forward, __setstate__=__setstate__)
+    return fused_subclass(original, forward, __setstate__=__setstate__)
 
 
 _DISPATCHERS: dict[types.ModuleType, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
-def _rope_dispatcher(family: _Family, modeling: types.ModuleType) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def rope_dispatcher(family: Family, modeling: types.ModuleType) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """What replaces ``modeling.apply_rotary_pos_emb``: the fused kernel inside a fused attention's
     forward, transformers' function in every other model of the family."""
     if modeling not in _DISPATCHERS:
-        original = _original(modeling, _ROPE_FUNCTION)
+        original = original_of(modeling, ROPE_FUNCTION)
         fused = _fused_half_table_rotary_pos_emb if family.rope_half_tables else _fused_rotary_pos_emb
 
         @functools.wraps(original)
@@ -282,10 +282,10 @@ def _rope_dispatcher(family: _Family, modeling: types.ModuleType) -> Callable[..
 
 
 # ---------------------------------------------------------------------------------------------------
-# The piece table: how each kind of registry._PIECE_KINDS is built, from its family, the family's modeling module
+# The piece table: how each kind of registry.PIECE_KINDS is built, from its family, the family's modeling module
 # and the transformers class.
 
-_BUILDERS: dict[str, Callable[[_Family, types.ModuleType, type], type]] = {
+_BUILDERS: dict[str, Callable[[Family, types.ModuleType, type], type]] = {
     "RMSNorm": _norm_class,
     "MLP": _mlp_class,
     "Attention": _attention_class,
@@ -297,7 +297,7 @@ _BUILDERS: dict[str, Callable[[_Family, types.ModuleType, type], type]] = {
 class _FusedPiece(NamedTuple):
     """One piece of one family: its kind, the transformers class and the subclass that replaces it."""
 
-    kind: _PieceKind
+    kind: PieceKind
     original: type
     fused: type
 
@@ -314,20 +314,20 @@ def _fused_name(module: str, name: str) -> str:
     return f"Fused{name}" if first == module else f"Fused{name}_{module}"
 
 
-def _fused_piece(family: _Family, modeling: types.ModuleType, kind: _PieceKind) -> _FusedPiece:
+def _fused_piece(family: Family, modeling: types.ModuleType, kind: PieceKind) -> _FusedPiece:
     name = family.name(kind.suffix)
-    original = _original(modeling, name)
-    _FUSED_NAMES.setdefault(original, _fused_name(modeling.__name__.rpartition(".modeling_")[2], name))
+    original = original_of(modeling, name)
+    FUSED_NAMES.setdefault(original, _fused_name(modeling.__name__.rpartition(".modeling_")[2], name))
     return _FusedPiece(kind, original, _BUILDERS[kind.suffix](family, modeling, original))
 
 
-def _fused_classes(family: _Family, modeling: types.ModuleType, options: _Options) -> dict[str, _FusedPiece]:
+def fused_classes(family: Family, modeling: types.ModuleType, options: Options) -> dict[str, _FusedPiece]:
     """Name in the modeling module -> the piece, for the pieces of the family that ``options`` ask for."""
-    kinds = [_PIECE_KINDS[suffix] for suffix in family.pieces]
+    kinds = [PIECE_KINDS[suffix] for suffix in family.pieces]
     return {family.name(k.suffix): _fused_piece(family, modeling, k) for k in kinds if getattr(options, k.option)}
 
 
-def _find_fused_class(name: str, home: str) -> type:
+def find_fused_class(name: str, home: str) -> type:
     """The fused class called ``name`` (``FusedLlamaRMSNorm``, ...), made on demand: pickle looks up the class of a
     patched module in ``home`` (``liger_lab.hf``, or ``liger_lab.patching`` for a model saved before the split),
     also in a process that has patched nothing yet. Anything else is an ``AttributeError`` of ``home``."""
@@ -335,8 +335,8 @@ def _find_fused_class(name: str, home: str) -> type:
         for suffix in family.pieces:
             if name == _fused_name(family.module or model_type, family.name(suffix)):
                 try:
-                    modeling = _modeling(model_type)
+                    modeling = modeling_of(model_type)
                 except ImportError as error:  # a transformers without this family
                     raise AttributeError(f"module {home!r} has no attribute {name!r}: {error}") from error
-                return _fused_piece(family, modeling, _PIECE_KINDS[suffix]).fused
+                return _fused_piece(family, modeling, PIECE_KINDS[suffix]).fused
     raise AttributeError(f"module {home!r} has no attribute {name!r}")

@@ -13,12 +13,12 @@ from typing import Any
 
 from torch import nn
 
-from liger_lab.hf.api import _unwrap
-from liger_lab.hf.families import _family
-from liger_lab.hf.loss import _fused_head, _patched_forward
-from liger_lab.hf.modules import _experts_fallback, _gated_kernel
-from liger_lab.hf.registry import _PIECE_KINDS, _UNFUSED
-from liger_lab.ops import swiglu as glu_ops
+from liger_lab.hf.api import unwrap
+from liger_lab.hf.families import family_row
+from liger_lab.hf.loss import fused_head, patched_forward
+from liger_lab.hf.modules import experts_fallback, gated_kernel
+from liger_lab.hf.registry import PIECE_KINDS, UNFUSED
+from liger_lab.ops import glu as glu_ops
 
 
 @dataclass(frozen=True)
@@ -39,18 +39,18 @@ class PatchReport:
 
 def report(model: nn.Module) -> PatchReport:
     """The :class:`PatchReport` of a model (a PEFT wrapper is looked through), patched or not."""
-    model = _unwrap(model)
+    model = unwrap(model)
     model_type = getattr(model.config, "model_type", None)
-    family = _family(model_type)
+    family = family_row(model_type)
     replaced: dict[str, int] = {}
     experts: list[nn.Module] = []
     # By the transformers class each module is or derives from (the fused classes' names may say more than Fused +
-    # that name: registry._FUSED_NAMES).
-    kind_of = {family.name(suffix): kind for suffix, kind in _PIECE_KINDS.items()}
+    # that name: registry.FUSED_NAMES).
+    kind_of = {family.name(suffix): kind for suffix, kind in PIECE_KINDS.items()}
     vision_side = _vision_side(model)
     for module in model.modules():
         name = _transformers_class(module).__name__
-        kind = kind_of.get(name) if type(module) in _UNFUSED else None
+        kind = kind_of.get(name) if type(module) in UNFUSED else None
         if name == family.name("Experts"):
             experts.append(module)  # counted below, where the fused loop is what its forward runs
         elif kind is not None and not (kind.needs_weight and getattr(module, "weight", None) is None):
@@ -59,27 +59,27 @@ def report(model: nn.Module) -> PatchReport:
             replaced[label] = replaced.get(label, 0) + 1
     left_alone: dict[str, str] = dict(family.left_alone)
     activation = getattr(model.config.get_text_config(), family.act_attr, None)  # a vision-language model's text config
-    fused_experts = [m for m in experts if type(m) in _UNFUSED and _experts_fallback(family, m) is None]
+    fused_experts = [m for m in experts if type(m) in UNFUSED and experts_fallback(family, m) is None]
     if fused_experts:
-        glu = "GeGLU" if _gated_kernel(activation) is glu_ops.geglu else "SwiGLU"
-        replaced[f"{_PIECE_KINDS['Experts'].label} ({glu})"] = len(fused_experts)
+        glu = "GeGLU" if gated_kernel(activation) is glu_ops.geglu else "SwiGLU"
+        replaced[f"{PIECE_KINDS['Experts'].label} ({glu})"] = len(fused_experts)
     elif experts and family.experts:
-        left_alone["experts"] = _experts_fallback(family, experts[0]) or "not patched (swiglu=False?)"
+        left_alone["experts"] = experts_fallback(family, experts[0]) or "not patched (swiglu=False?)"
     if experts:
         left_alone["router"] = "transformers' own: top-k routing and its load-balancing loss are not fused"
     mlp = family.name("MLP")
     if not family.mlp or not any(_transformers_class(module).__name__ == mlp for module in model.modules()):
         left_alone["MLP"] = "no dense MLP: every layer is a mixture of experts"
-    elif not replaced.get(_PIECE_KINDS["MLP"].label):
+    elif not replaced.get(PIECE_KINDS["MLP"].label):
         no_kernel = f"activation {activation!r} has no fused kernel"
-        left_alone["MLP"] = no_kernel if _gated_kernel(activation) is None else "not patched (swiglu=False?)"
-    forward = _patched_forward(model)
+        left_alone["MLP"] = no_kernel if gated_kernel(activation) is None else "not patched (swiglu=False?)"
+    forward = patched_forward(model)
     loss_forward = forward.__func__ if forward is not None else type(model).forward
     fused = getattr(loss_forward, "liger_lab_fused", None)  # None: transformers' own forward
     if forward is not None and forward.kept is not None:
         kept = _written_as(forward.kept)
         left_alone["forward"] = f"{kept}, set on the model before patch, runs the calls the fused loss does not take"
-    head = _fused_head(model.lm_head) if isinstance(getattr(model, "lm_head", None), nn.Module) else (
+    head = fused_head(model.lm_head) if isinstance(getattr(model, "lm_head", None), nn.Module) else (
         "the model has no lm_head module")  # fmt: skip
     fallback = head if isinstance(head, str) else None
     if fused and fallback is None:
@@ -111,7 +111,7 @@ _NOT_PATCHED = "not patched: liger_lab.patch(model), or patch(model_type) before
 
 def _transformers_class(module: nn.Module) -> type:
     """The module's class, or the transformers class its fused class derives from."""
-    return _UNFUSED.get(type(module), type(module))
+    return UNFUSED.get(type(module), type(module))
 
 
 _VISION_SIDE = "(vision tower, projector)"

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_hooks
 
-from liger_lab.ops.swiglu import geglu, swiglu
+from liger_lab.ops.glu import geglu, swiglu
 
 _MLP = TypeVar("_MLP", bound="_GatedMLP")
 

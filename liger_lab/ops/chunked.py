@@ -22,12 +22,12 @@ The gradients are computed in the forward (6 N H V FLOPs in all, as many as an u
 backward), so the backward only multiplies them by the incoming scalar gradient (:func:`finish_grads`).
 
 **What a new loss provides.** Three things; the rest is here, written once: the validation every public function
-shares (:func:`check_head`, :func:`check_second_head`, :func:`check_chunk_options`, :func:`check_number`,
-:func:`check_choice`, :func:`check_values`), the gradients autograd will ask for (:func:`needed_grads`), the chunk
-rule (:func:`rows_per_chunk`), the dW accumulator's dtype (:func:`accumulation_dtype`), the gradient outputs and
-their fake (:func:`grad_outputs`), the autograd (:class:`GradsMadeInForward`) and the backward that finishes the
-gradients (:func:`finish_grads`, with ``liger_lab::scale_rows`` and ``scale_rows_``, declared beside their kernel in
-:mod:`liger_lab.ops.cross_entropy`).
+shares (:func:`check_head`, :func:`check_second_head`, :func:`check_chunk_options`, :func:`check_values`; the
+options' :func:`~liger_lab.formulas.check_number` and :func:`~liger_lab.formulas.check_choice`), the gradients
+autograd will ask for (:func:`needed_grads`), the chunk rule (:func:`rows_per_chunk`), the dW accumulator's dtype
+(:func:`accumulation_dtype`), the gradient outputs and their fake (:func:`grad_outputs`), the autograd
+(:class:`GradsMadeInForward`) and the backward that finishes the gradients (:func:`finish_grads`, with
+``liger_lab::scale_rows`` and ``scale_rows_``, declared beside their kernel in :mod:`liger_lab.ops.forward_grad`).
 
 1. *A chunk step*, a :data:`ChunkLoss`: ``step(z, rows, write_grad)`` gets the logits ``z`` of ``hidden[rows]``,
    records the chunk's losses where the loss keeps them and, when ``write_grad``, writes d(loss)/dz over ``z``.
@@ -39,7 +39,7 @@ gradients (:func:`finish_grads`, with ``liger_lab::scale_rows`` and ``scale_rows
    ``ChunkGrads.asked(needs, ...)``, and writes its loss and the factor the gradients still owe. Beside it a
    :class:`FusedLoss` names the operator for :func:`run_loss`, which the public function calls after its
    validation: ``run_loss(loss, tensors, (*options, accumulation, needs))``.
-3. *A row* of :data:`liger_lab.ops.table.OPS`: its inputs, shapes, FLOPs and operators (its own, then
+3. *A row* of :data:`liger_lab.op_table.OPS`: its inputs, shapes, FLOPs and operators (its own, then
    ``scale_rows`` and ``scale_rows_``), which the generic tests (opcheck, torch.compile, host reads, launch
    devices, second derivatives) and the benchmarks read.
 
@@ -61,8 +61,8 @@ from typing import NamedTuple
 import torch
 
 from liger_lab import runtime
-from liger_lab.ops.common import check_float, is_finite, row_count, same_shape
-from liger_lab.ops.cross_entropy import SCALE_ROWS, refuse_second_derivative
+from liger_lab.ops.common import check_float, row_count, same_shape
+from liger_lab.ops.forward_grad import SCALE_ROWS, refuse_second_derivative
 from liger_lab.ops.operators import Allocator, Operator
 
 MIB = 2**20
@@ -248,24 +248,6 @@ def check_chunk_options(name: str, chunk: int | None, accumulation: str | None) 
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"accumulation is {accumulation!r}: expected one of {ACCUMULATIONS}")
     return accumulation
-
-
-def check_number(name: str, value: float, *, low: float | None = None, positive: bool = False) -> float:
-    """A loss option: a finite real number (not a bool), at least ``low`` and > 0 if ``positive``; as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value):
-        raise ValueError(f"{name} is {value!r}: expected a finite number")
-    if positive and value <= 0:
-        raise ValueError(f"{name} is {value}: expected a number > 0")
-    if low is not None and value < low:
-        raise ValueError(f"{name} is {value}: expected a number >= {low}")
-    return float(value)
-
-
-def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
-    """A loss option that names one of ``choices`` (a TRL loss type, an importance-sampling level)."""
-    if value not in choices:
-        raise ValueError(f"{name} is {value!r}: expected one of {choices}")
-    return value
 
 
 KINDS = {"floating": "a floating-point", "flag": "a bool or integer", "index": "an integer (torch.int64)"}

@@ -83,9 +83,8 @@ from liger_lab.ops.cross_entropy import (
     cross_entropy_rows,
     nan_if_out_of_range,
     reduce_loss,
-    refuse_second_derivative,
-    scale_rows,
 )
+from liger_lab.ops.forward_grad import refuse_second_derivative, scale_rows
 from liger_lab.ops.operators import define
 
 CHUNK_BUDGET_BYTES = 240 * chunked.MIB

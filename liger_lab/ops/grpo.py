@@ -2,8 +2,9 @@ r"""The GRPO family (grpo, bnpo, dr_grpo, dapo, cispo; sapo, luspo, vespo) on ``
 
 grpo, bnpo, dr_grpo, dapo and cispo, without TRL's newer options, are the fused loss below: its gradient is made in
 the forward (three matmuls). The newer loss types and options (sapo, luspo, vespo; the KL's bias correction, the
-vLLM importance-sampling ratio, the off-policy mask, the high-entropy mask, the entropy bonus) run on the RL head and
-:func:`loss_from_logps`, TRL's formula on its log-probabilities (four matmuls; :func:`fused_linear_grpo` says which).
+vLLM importance-sampling ratio, the off-policy mask, the high-entropy mask, the entropy bonus) run on the RL head
+and :func:`~liger_lab.formulas.loss_from_logps`, TRL's formula on its log-probabilities (four matmuls;
+:func:`fused_linear_grpo` says which).
 
 **The loss**, exactly TRL 1.16's ``GRPOTrainer._compute_loss`` on one micro-batch (gradient accumulation and the
 process count are the caller's). B completions of T positions: hidden (B, T, H), target (B, T) the completion
@@ -64,55 +65,26 @@ interpreter; on the GPU the RL head's kernel makes every logp NaN, and so the lo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from liger_lab.formulas import (  # noqa: F401  (chapter 14 reads them here)
+    FUSED_LOSS_TYPES,
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_TYPES,
+    GRPOOptions,
+    TRLOptions,
+    check_number,
+    loss_from_logps,
+)
 from liger_lab.ops import chunked
 from liger_lab.ops.cross_entropy import LossOptions, check_loss_options, check_target, check_target_tensor
 from liger_lab.ops.fused_linear_cross_entropy import chunk_rows
 from liger_lab.ops.logprobs import fused_linear_logprobs, logprob_grad_rows, logprob_rows
 from liger_lab.ops.operators import define
 
-FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-"""The loss types whose gradient the fused loss makes in its forward (three matmuls)."""
-LOSS_TYPES = (*FUSED_LOSS_TYPES, "sapo", "luspo", "vespo")
-"""Every loss type of TRL 1.16's GRPO; the others run on the RL head and :func:`loss_from_logps` (four matmuls)."""
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 COMPLETIONS = "B completions of T tokens"
-
-
-@dataclass(frozen=True)
-class GRPOOptions:
-    """The policy loss's scalars of one call (TRL's ``GRPOConfig`` fields), as :meth:`checked` makes them for the
-    kernel path and for the float64 reference (:func:`liger_lab.reference.fused_linear_grpo`) alike."""
-
-    loss_type: str
-    level: str
-    beta: float
-    epsilon_low: float
-    epsilon_high: float
-    delta: float | None
-
-    @classmethod
-    def checked(
-        cls, loss_type: str, level: str, beta: float, epsilon_low: float, epsilon_high: float | None,
-        delta: float | None,
-    ) -> GRPOOptions:  # fmt: skip
-        """Validated (ValueError naming the option), ``epsilon_high`` defaulting to ``epsilon_low`` as in TRL."""
-        epsilon_low = chunked.check_number("epsilon_low", epsilon_low, low=0.0)
-        return cls(
-            chunked.check_choice("loss_type", loss_type, LOSS_TYPES),
-            chunked.check_choice("importance_sampling_level", level, IMPORTANCE_SAMPLING_LEVELS),
-            chunked.check_number("beta", beta, low=0.0), epsilon_low,
-            epsilon_low if epsilon_high is None else chunked.check_number("epsilon_high", epsilon_high, low=0.0),
-            None if delta is None else chunked.check_number("delta", delta, positive=True),
-        )  # fmt: skip
-
-    def arguments(self) -> tuple[str, str, float, float, float, float | None]:
-        """The fields in the operator's order (spelled out: ``dataclasses.astuple`` would break a compiled graph)."""
-        return self.loss_type, self.level, self.beta, self.epsilon_low, self.epsilon_high, self.delta
 
 
 def policy_terms(ratio, adv, logp, o: GRPOOptions):
@@ -251,168 +223,6 @@ _LOSS = chunked.FusedLoss("fused_linear_grpo", FUSED_LINEAR_GRPO)
 # The public function.
 
 
-@dataclass(frozen=True)
-class TRLOptions:
-    """The options of TRL 1.16's GRPO that the fused loss does not serve: with any of them set (or a loss type
-    outside :data:`FUSED_LOSS_TYPES`), :func:`fused_linear_grpo` runs the RL head and :func:`loss_from_logps`.
-    Names and defaults are ``GRPOConfig``'s, except ``use_bias_correction_kl``, whose default the caller passes."""
-
-    use_bias_correction_kl: bool = False
-    entropy_coef: float = 0.0
-    top_entropy_quantile: float = 1.0
-    off_policy_mask_threshold: float | None = None
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-
-    @classmethod
-    def checked(
-        cls, *, use_bias_correction_kl: bool = False, off_policy_mask_threshold: float | None = None,
-        **numbers: float,
-    ) -> TRLOptions:  # fmt: skip
-        """Validated (ValueError naming the option); an option not given takes its default. (No ``dataclasses``
-        introspection here: torch.compile traces this.)"""
-        if not isinstance(use_bias_correction_kl, bool):
-            raise ValueError(f"use_bias_correction_kl is {use_bias_correction_kl!r}: expected True or False")
-        checked = {name: chunked.check_number(name, value) for name, value in numbers.items()}
-        if not 0 <= checked.get("top_entropy_quantile", 1.0) <= 1:
-            raise ValueError(f"top_entropy_quantile is {checked['top_entropy_quantile']}: expected a number in [0, 1]")
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            if checked.get(name) == 0:
-                raise ValueError(f"{name} is 0: expected a nonzero temperature")
-        if off_policy_mask_threshold is not None:
-            off_policy_mask_threshold = chunked.check_number("off_policy_mask_threshold", off_policy_mask_threshold)
-        return cls(use_bias_correction_kl=use_bias_correction_kl, off_policy_mask_threshold=off_policy_mask_threshold,
-                   **checked)  # fmt: skip
-
-    @property
-    def fused(self) -> bool:
-        """Whether the fused loss serves these options (each at its neutral value)."""
-        return (
-            not self.use_bias_correction_kl and self.entropy_coef == 0 and self.top_entropy_quantile == 1
-            and self.off_policy_mask_threshold is None
-        )  # fmt: skip
-
-    @property
-    def needs_entropy(self) -> bool:
-        return self.entropy_coef != 0 or self.top_entropy_quantile < 1
-
-
-def loss_from_logps(
-    logps: torch.Tensor,
-    keep: torch.Tensor,
-    advantages: torch.Tensor,
-    o: GRPOOptions,
-    t: TRLOptions,
-    *,
-    entropies: torch.Tensor | None = None,
-    old_logps: torch.Tensor | None = None,
-    ref_logps: torch.Tensor | None = None,
-    importance_sampling_ratio: torch.Tensor | None = None,
-    max_completion_length: int | None = None,
-    num_items_in_batch: torch.Tensor | float | None = None,
-) -> torch.Tensor:
-    """TRL 1.16's ``GRPOTrainer._compute_loss`` on per-token log-probabilities (B, T), its text, for one micro-batch of
-    one process: every loss type and option (the KL's bias correction, the vLLM importance-sampling ratio, the
-    off-policy sequence mask against ``old_logps``, the high-entropy token mask and the entropy bonus with
-    ``entropies``). ``keep`` (B, T) bool is TRL's completion mask. A masked product ``x * mask`` is written
-    ``where(keep, x, 0)``, equal wherever x is finite, so that padding (logp 0 here) contributes 0 whatever the
-    constants hold there; the loss over no sequence is 0 (TRL's mean gives nan). Computes in ``logps``' dtype."""
-    dtype, device = logps.dtype, logps.device
-    zero = torch.zeros((), dtype=dtype, device=device)
-    mask = keep.to(dtype)
-
-    def masked(x: torch.Tensor) -> torch.Tensor:
-        return torch.where(keep, x, zero)
-
-    advantages = advantages.detach().to(dtype)
-    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    old = logps.detach() if old_logps is None else old_logps.detach().to(dtype)
-    entropy_mask = None
-    if t.top_entropy_quantile < 1.0:
-        kept = entropies.detach()[keep]
-        if kept.numel() == 0:
-            entropy_mask = torch.zeros_like(keep)
-        else:
-            threshold = torch.quantile(kept.float(), 1 - t.top_entropy_quantile).to(dtype)
-            entropy_mask = (masked(entropies.detach()) >= threshold) & keep
-    if t.off_policy_mask_threshold is not None:
-        kl = torch.nan_to_num(old - logps.detach(), nan=0.0)
-        average = masked(kl).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-        off_policy_mask = ((advantages >= 0) | (average <= t.off_policy_mask_threshold)).to(dtype)
-    log_ratio = logps - old
-    if o.level == "token":
-        log_weights = log_ratio
-    else:
-        log_weights = (masked(log_ratio).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_weights)
-    if o.beta != 0.0:
-        ref = ref_logps.detach().to(dtype)
-        per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
-        if t.use_bias_correction_kl:
-            per_token_kl = per_token_kl * coef_1
-    if o.loss_type == "cispo":
-        per_token_loss = -torch.clamp(coef_1, max=o.epsilon_high).detach() * advantages * logps
-    elif o.loss_type == "sapo":
-        temperatures = torch.where(advantages > 0, t.sapo_temperature_pos, t.sapo_temperature_neg).to(dtype)
-        per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
-    elif o.loss_type == "vespo":
-        per_token_loss = -_gamma_weights(advantages, log_ratio.detach(), keep, importance_sampling_ratio, t) * (
-            advantages * logps
-        )
-    else:  # grpo, bnpo, dr_grpo, dapo, luspo: the clipped ratio
-        coef_2 = torch.clamp(coef_1, 1 - o.epsilon_low, 1 + o.epsilon_high)
-        if o.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=o.delta)
-        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    if t.off_policy_mask_threshold is not None:
-        per_token_loss = per_token_loss * off_policy_mask
-    if entropy_mask is not None:
-        per_token_loss = per_token_loss * entropy_mask
-    if importance_sampling_ratio is not None and o.loss_type != "vespo":
-        per_token_loss = per_token_loss * importance_sampling_ratio.detach().to(dtype)
-    if o.beta != 0.0:
-        per_token_loss = per_token_loss + o.beta * per_token_kl
-    per_token_loss = masked(per_token_loss.expand_as(logps))
-    if o.loss_type in ("grpo", "sapo"):
-        per_sequence = per_token_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)
-        loss = per_sequence.sum() / max(per_sequence.shape[0], 1)
-    elif o.loss_type == "bnpo":
-        loss = per_token_loss.sum() / mask.sum().clamp(min=1.0)
-    elif o.loss_type == "dr_grpo":
-        length = logps.shape[1] if max_completion_length is None else max_completion_length
-        loss = per_token_loss.sum() / max(per_token_loss.shape[0] * length, 1)
-    elif o.loss_type == "luspo":
-        loss = per_token_loss.sum(-1).sum() / max(per_token_loss.shape[0], 1)
-    else:  # dapo, cispo, vespo
-        normalizer = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=device)
-        loss = per_token_loss.sum() / normalizer.to(dtype).clamp(min=1.0)
-    if t.entropy_coef != 0:
-        effective = keep if entropy_mask is None else keep & entropy_mask
-        bonus = torch.where(effective, entropies, zero).sum() / effective.to(dtype).sum().clamp(min=1.0)
-        loss = loss - t.entropy_coef * bonus
-    return loss
-
-
-def _gamma_weights(advantages, log_ratio, keep, importance_sampling_ratio, t: TRLOptions) -> torch.Tensor:
-    """VESPO's weights phi(w) = e^lambda w^k e^(-lambda w) of the sequence's ratio w (TRL's ``get_gamma_weights``, in
-    log space, without gradient)."""
-    lower = math.log(1e-8)
-    zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
-    sequence = torch.where(keep, torch.clamp(log_ratio, -20.0, 20.0), zero).sum(-1, keepdim=True)
-    if importance_sampling_ratio is not None:
-        ratio = importance_sampling_ratio.detach().to(log_ratio.dtype)
-        sequence = sequence + torch.clamp(torch.log(ratio), lower, 20.0).sum(-1, keepdim=True)
-    log_w = torch.clamp(sequence, lower, 20.0)
-    nonnegative = advantages >= 0
-    k = torch.where(nonnegative, t.vespo_k_pos, t.vespo_k_neg).to(log_ratio.dtype)
-    lam = torch.where(nonnegative, t.vespo_lambda_pos, t.vespo_lambda_neg).to(log_ratio.dtype).clamp(min=1e-4)
-    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-
-
 def _check_num_items(num_items_in_batch) -> tuple[float | None, torch.Tensor | None]:
     """(a host number, a device tensor): TRL's num_items_in_batch either way, or (None, None)."""
     if num_items_in_batch is None:
@@ -420,7 +230,7 @@ def _check_num_items(num_items_in_batch) -> tuple[float | None, torch.Tensor | N
     if isinstance(num_items_in_batch, torch.Tensor):
         chunked.check_one_number("num_items_in_batch", num_items_in_batch, "the tokens of the whole batch")
         return None, num_items_in_batch.detach()
-    return chunked.check_number("num_items_in_batch", num_items_in_batch, low=0), None
+    return check_number("num_items_in_batch", num_items_in_batch, low=0), None
 
 
 def fused_linear_grpo(
@@ -476,8 +286,9 @@ def fused_linear_grpo(
     sequence of negative advantage whose mean of old_logps - logp exceeds it; needs ``old_logps``, TRL's sampling
     log-probs); ``top_entropy_quantile`` (the policy loss on the tokens of highest entropy only) and
     ``entropy_coef`` (minus that times the mean entropy of those tokens). With any of them, the loss runs on the RL
-    head (:func:`liger_lab.fused_linear_logprobs`, with the entropy where needed) and :func:`loss_from_logps`,
-    TRL's formula on its log-probabilities: four matmuls instead of three, exactly TRL's values.
+    head (:func:`liger_lab.fused_linear_logprobs`, with the entropy where needed) and
+    :func:`~liger_lab.formulas.loss_from_logps`, TRL's formula on its log-probabilities: four matmuls instead of
+    three, exactly TRL's values.
 
     Returns a float32 scalar. Gradients reach hidden and weight only (the rest are constants, as in TRL); they are
     made in the forward, so the graph can be backpropagated once. ``chunk_tokens`` and ``accumulation`` as in
@@ -488,7 +299,7 @@ def fused_linear_grpo(
     """
     o = GRPOOptions.checked(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
     check_loss_options(LossOptions(ignore_index=ignore_index))
-    temperature = chunked.check_number("temperature", temperature, positive=True)
+    temperature = check_number("temperature", temperature, positive=True)
     chunked.check_head(hidden, weight, layout=f"(B, T, H), {COMPLETIONS}")
     check_target_tensor(target, hidden.shape[:-1])
     chunked.check_values("advantages", advantages, target.shape, COMPLETIONS, alternative=target.shape[:1])

@@ -68,7 +68,7 @@ import triton.language as tl
 from liger_lab import runtime
 from liger_lab.ops import operators
 from liger_lab.ops.common import as_rows, check_float, row_count
-from liger_lab.ops.cross_entropy import refuse_second_derivative, save_gradient, scaled_gradient
+from liger_lab.ops.forward_grad import refuse_second_derivative, save_gradient, scaled_gradient
 from liger_lab.ops.logsumexp import online_lse_step
 
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2

@@ -78,6 +78,7 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
+from liger_lab.formulas import HEAD_OUTPUTS, check_number, head_outputs
 from liger_lab.ops import chunked
 from liger_lab.ops.cross_entropy import LossOptions, check_loss_options, check_target, check_target_tensor
 from liger_lab.ops.fused_linear_cross_entropy import chunk_rows
@@ -264,26 +265,6 @@ def _logprobs_grad_kernel(
 
 # --------------------------------------------------------------------------------------------------
 # Host launchers: a chunk of logits (rows, V) with unit column stride, the rows' targets, fp32 per-row buffers.
-
-
-HEAD_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-"""The per-token outputs the RL head gives besides logp, as TRL's fused head names them."""
-
-
-def head_outputs(entropy: bool, outputs: Sequence[str]) -> tuple[str, ...]:
-    """The outputs a head call returns after logp, in order: "entropy" first when ``entropy``, then ``outputs`` in the
-    order given. Raises ValueError for a name that is not one of :data:`HEAD_OUTPUTS` or one asked for twice."""
-    if not isinstance(entropy, bool):
-        raise ValueError(f"entropy is {entropy!r}: expected True or False")
-    if isinstance(outputs, str) or not all(isinstance(name, str) for name in outputs):
-        raise ValueError(f"outputs is {outputs!r}: expected a tuple of names from {HEAD_OUTPUTS}")
-    names = (("entropy",) if entropy else ()) + tuple(outputs)
-    unknown = [name for name in names if name not in HEAD_OUTPUTS]
-    if unknown:
-        raise ValueError(f"outputs names {unknown[0]!r}: expected names from {HEAD_OUTPUTS}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"outputs {names} names one output twice (entropy=True already returns the entropy)")
-    return names
 
 
 @dataclass(frozen=True)
@@ -536,10 +517,10 @@ def fused_linear_logprobs(
     the host wait, it makes every output and the gradients NaN. The caller's tensors are never modified.
     """
     check_loss_options(LossOptions(ignore_index=ignore_index))
-    temperature = chunked.check_number("temperature", temperature, positive=True)
+    temperature = check_number("temperature", temperature, positive=True)
     names = head_outputs(entropy, outputs)
-    softcap = None if softcap is None else chunked.check_number("softcap", softcap, positive=True)
-    logit_scale = chunked.check_number("logit_scale", logit_scale)
+    softcap = None if softcap is None else check_number("softcap", softcap, positive=True)
+    logit_scale = check_number("logit_scale", logit_scale)
     chunked.check_head(hidden, weight, bias)
     check_target_tensor(target, hidden.shape[:-1])
     accumulation = chunked.check_chunk_options("chunk_tokens", chunk_tokens, accumulation)

@@ -119,6 +119,19 @@ import torch
 import torch.nn.functional as F
 
 from liger_lab import runtime
+from liger_lab.formulas import (
+    ORPO_MAX_AVG_LOGP,
+    PreferenceOptions,
+    averages,
+    check_number,
+    cpo_options,
+    dpo_options,
+    kl_estimate,
+    kto_options,
+    log1mexp,
+    orpo_options,
+    simpo_options,
+)
 from liger_lab.ops import chunked
 from liger_lab.ops.cross_entropy import (
     LossOptions,
@@ -133,52 +146,12 @@ from liger_lab.ops.operators import define
 CHUNK_BUDGET_BYTES = 240 * chunked.MIB
 """Bytes of one chunk of logits; a chunk holds as many complete units (pairs, KTO's completions) as fit, at least
 one."""
-ORPO_MAX_AVG_LOGP = -1e-6
-"""ORPO's cap on a sequence's mean token log-probability before the odds (see the module docstring)."""
 LOSSES = ("dpo", "orpo", "simpo", "kto", "cpo")
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
-"""TRL 1.16's DPOTrainer loss types implemented here (``DPOConfig.loss_type``)."""
-KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
-"""TRL 1.16's KTOTrainer loss types (``KTOConfig.loss_type``)."""
-CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
-"""TRL 1.16's CPOTrainer loss types (``CPOConfig.loss_type``); "alphapo" is CPOConfig's shorthand for "simpo" with
-cpo_alpha = 0."""
-SMOOTHED = {"dpo": ("robust",), "cpo": ("sigmoid", "simpo")}
-"""The loss types that read ``label_smoothing``; any other takes none (TRL 1.16 ignores it there, so a value would
-be silently dropped: a ValueError here)."""
-
-
-@dataclass(frozen=True)
-class PreferenceOptions:
-    """The scalars of one call, validated by the public functions (named as TRL's config fields where TRL has one)."""
-
-    loss: str
-    loss_type: str = "sigmoid"
-    beta: float = 0.1
-    gamma: float = 0.0
-    """SimPO's gamma, CPO's simpo_gamma."""
-    label_smoothing: float = 0.0
-    alpha: float = 0.0
-    """CPO's AlphaPO reward shape (0: the log-probability itself)."""
-    nll_weight: float = 0.0
-    """The weight of the chosen sequences' NLL: 1 for ORPO, cpo_alpha for CPO, 0 otherwise."""
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
-
-    def arguments(self) -> tuple[str, str, float, float, float, float, float, float, float]:
-        """The fields in the operator's order (spelled out: ``dataclasses.astuple`` would break a compiled graph)."""
-        return (self.loss, self.loss_type, self.beta, self.gamma, self.label_smoothing, self.alpha, self.nll_weight,
-                self.desirable_weight, self.undesirable_weight)  # fmt: skip
 
 
 def group_size(loss: str) -> int:
     """Sequences per unit: KTO's completions stand alone, every other loss scores pairs."""
     return 1 if loss == "kto" else 2
-
-
-def averages(o: PreferenceOptions) -> bool:
-    """Whether the loss scores a sequence by its mean token log-probability (else by the sum)."""
-    return o.loss in ("orpo", "simpo") or (o.loss == "cpo" and o.loss_type in ("ipo", "simpo"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -198,12 +171,6 @@ class Scores:
 
 
 UnitLoss = Callable[[Scores, PreferenceOptions], tuple[torch.Tensor, torch.Tensor]]
-
-
-def log1mexp(a: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(a)) for a < 0, exact on both sides of -log 2."""
-    near_zero = a > -math.log(2)
-    return torch.where(near_zero, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
 
 
 def _sides(d_margin: torch.Tensor) -> torch.Tensor:
@@ -498,77 +465,8 @@ _LOSSES = {loss: chunked.FusedLoss(f"fused_linear_{loss}", FUSED_LINEAR_PREFEREN
 
 
 # --------------------------------------------------------------------------------------------------
-# Validation: each loss's options as TRL's trainers take them (for the kernel path and the float64 reference
-# alike), then what every loss's tensors must be.
-
-
-def _check_smoothing(loss: str, loss_type: str, label_smoothing: float) -> float:
-    """label_smoothing in [0, 1], and 0 for a loss type that does not read it (see :data:`SMOOTHED`)."""
-    label_smoothing = chunked.check_number("label_smoothing", label_smoothing, low=0)
-    if label_smoothing > 1:
-        raise ValueError(f"label_smoothing is {label_smoothing}: expected a number in [0, 1]")
-    if label_smoothing and loss_type not in SMOOTHED[loss]:
-        raise ValueError(
-            f"label_smoothing is {label_smoothing}: loss_type={loss_type!r} takes none (TRL 1.16 reads it for "
-            f"loss_type in {SMOOTHED[loss]} only)"
-        )
-    return label_smoothing
-
-
-def dpo_options(beta: float, loss_type: str, label_smoothing: float) -> PreferenceOptions:
-    """DPO's options as TRL 1.16's ``DPOConfig`` takes them, validated (ValueError naming the option)."""
-    loss_type = chunked.check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
-    beta = chunked.check_number("beta", beta, low=0)
-    if loss_type == "ipo" and beta == 0:
-        raise ValueError("beta is 0: loss_type='ipo' needs beta > 0 (its target margin is 1 / (2 beta))")
-    label_smoothing = _check_smoothing("dpo", loss_type, label_smoothing)
-    if loss_type == "robust" and label_smoothing >= 0.5:
-        raise ValueError(f"label_smoothing is {label_smoothing}: loss_type='robust' needs it in [0, 0.5)")
-    return PreferenceOptions("dpo", loss_type, beta, label_smoothing=label_smoothing)
-
-
-def orpo_options(beta: float) -> PreferenceOptions:
-    """ORPO's options, validated: the odds term's beta; the chosen NLL's weight is 1."""
-    return PreferenceOptions("orpo", beta=chunked.check_number("beta", beta, low=0), nll_weight=1.0)
-
-
-def simpo_options(beta: float, gamma: float) -> PreferenceOptions:
-    """SimPO's options, validated (gamma, the target margin, may have either sign)."""
-    beta, gamma = chunked.check_number("beta", beta, low=0), chunked.check_number("gamma", gamma)
-    return PreferenceOptions("simpo", beta=beta, gamma=gamma)
-
-
-def cpo_options(
-    beta: float, loss_type: str, label_smoothing: float, cpo_alpha: float, simpo_gamma: float, alpha: float
-) -> PreferenceOptions:
-    """CPO's options as TRL 1.16's ``CPOConfig`` takes them, validated; "alphapo" resolved as its
-    ``__post_init__`` resolves it (simpo with cpo_alpha = 0)."""
-    loss_type = chunked.check_choice("loss_type", loss_type, CPO_LOSS_TYPES)
-    if loss_type == "alphapo":
-        loss_type, cpo_alpha = "simpo", 0.0
-    beta = chunked.check_number("beta", beta, low=0)
-    if loss_type in ("ipo", "simpo") and beta == 0:
-        raise ValueError(f"beta is 0: loss_type={loss_type!r} needs beta > 0 (it divides by beta)")
-    cpo_alpha = chunked.check_number("cpo_alpha", cpo_alpha, low=0)
-    simpo_gamma, alpha = chunked.check_number("simpo_gamma", simpo_gamma), chunked.check_number("alpha", alpha)
-    label_smoothing = _check_smoothing("cpo", loss_type, label_smoothing)
-    return PreferenceOptions("cpo", loss_type, beta, simpo_gamma, label_smoothing, alpha, cpo_alpha)
-
-
-def kto_options(beta: float, loss_type: str, desirable_weight: float, undesirable_weight: float) -> PreferenceOptions:
-    """KTO's options as TRL 1.16's ``KTOConfig`` takes them, validated."""
-    loss_type = chunked.check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
-    return PreferenceOptions(
-        "kto", loss_type, chunked.check_number("beta", beta, low=0),
-        desirable_weight=chunked.check_number("desirable_weight", desirable_weight, low=0),
-        undesirable_weight=chunked.check_number("undesirable_weight", undesirable_weight, low=0),
-    )  # fmt: skip
-
-
-def kl_estimate(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
-    """TRL's KL estimate z0 from the KL completions' log-probabilities: their mean difference, clamped at 0 (a
-    constant: no gradient)."""
-    return (kl_logps.detach().to(torch.float64) - ref_kl_logps.detach().to(torch.float64)).mean().clamp(min=0)
+# Validation: what every loss's tensors must be (each loss's options are checked in liger_lab.formulas, for the
+# kernel path and the float64 reference alike).
 
 
 PAIRED_LAYOUT = "(2B, T, H), rows [0, B) the chosen and [B, 2B) the rejected sequences"
@@ -614,7 +512,7 @@ def _check_kl(kl, kl_logps, ref_kl_logps, device: torch.device) -> torch.Tensor 
         chunked.check_one_number("kl", kl, "the KL estimate")
         return kl.reshape(())
     # A host number: a fill on the device (no copy that would wait for the GPU)
-    return torch.full((), chunked.check_number("kl", kl), dtype=torch.float64, device=device)
+    return torch.full((), check_number("kl", kl), dtype=torch.float64, device=device)
 
 
 def _preference(o, hidden, weight, target, *, ref=(None, None, None), label=None, kl=None, nll_target=None,

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from liger_lab import reference, runtime
+from liger_lab.formulas import rotate_half
 from liger_lab.ops import operators
 from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape, same_shape
 
@@ -228,7 +229,7 @@ def _angle_grads(
     for dy, x in ((dq, q), (dk, k)):
         dy, x = dy.float(), x.float()
         dcos = dcos + (dy * x).sum(1)
-        dsin = dsin + (dy * reference.rotate_half(x)).sum(1)
+        dsin = dsin + (dy * rotate_half(x)).sum(1)
     if angle_batch == 1:
         dcos, dsin = dcos.sum(0, keepdim=True), dsin.sum(0, keepdim=True)
     return dcos, dsin

@@ -1,5 +1,5 @@
-"""The module's former name: ``liger_lab.ops.swiglu`` is :mod:`liger_lab.ops.glu` (SwiGLU and GeGLU share its
-kernels), kept importable for code that imports it by that name."""
+"""Old path of :mod:`liger_lab.ops.glu` (SwiGLU and GeGLU share its kernels), kept only so that old imports still
+work: new code imports ``liger_lab.ops.glu``, and nothing in the repository imports this path."""
 
 import sys
 

@@ -7,11 +7,11 @@ else, drops all outputs so the learner starts clean, and replaces each region by
 indentation that names its exercise, between ``# EXERCISE <n>: <task>`` and ``# END EXERCISE <n>`` (see
 :mod:`liger_lab.workbook.exercises`):
 
-* in Python code, a call to ``liger_lab.exercises.todo``, which raises ``ExerciseNotDone``;
+* in Python code, a call to ``liger_lab.workbook.exercises.todo``, which raises ``ExerciseNotDone``;
 * inside a ``@triton.jit`` kernel, which cannot raise, ``pass`` under the stub marker, and the kernel's
-  decorator becomes ``@liger_lab.exercises.jit(...)``, which refuses to launch while the marker is there.
+  decorator becomes ``@liger_lab.workbook.exercises.jit(...)``, which refuses to launch while the marker is there.
 
-Run as ``python -m liger_lab.workbook.chapters`` (or its old name, ``python -m liger_lab.chapters``) it writes
+Run as ``python -m liger_lab.workbook.chapters`` (or ``liger-lab exercises``) it writes
 ``chapters/``; with ``--check`` it only says whether ``chapters/`` is up to date.
 """
 
@@ -55,13 +55,13 @@ def stub_source(source: str) -> str:
             decorator = _enclosing_triton_jit(out, last_def, len(indent))
             if decorator is not None:
                 jit_indent = _TRITON_JIT.match(out[decorator].rstrip("\n"))["indent"]
-                out[decorator] = f"{jit_indent}@liger_lab.exercises.jit({_quoted(number)}, {_quoted(task)})\n"
+                out[decorator] = f"{jit_indent}@liger_lab.workbook.exercises.jit({_quoted(number)}, {_quoted(task)})\n"
                 out.append(f"{indent}{begin_line(number, task)}\n")
                 out.append(f"{indent}{_KERNEL_STUB_NOTE}\n")
                 out.append(f"{indent}{STUB_MARKER}\n")
             else:
                 out.append(f"{indent}{begin_line(number, task)}\n")
-                out.append(f"{indent}liger_lab.exercises.todo({_quoted(number)}, {_quoted(task)})\n")
+                out.append(f"{indent}liger_lab.workbook.exercises.todo({_quoted(number)}, {_quoted(task)})\n")
             out.append(f"{indent}{end_line(number)}\n")
         elif _END.match(text):
             if not inside:
@@ -151,7 +151,7 @@ def main(arguments: list[str]) -> None:
     if "--check" in arguments:
         stale = out_of_date()
         if stale:
-            sys.exit(f"chapters/ is out of date for {', '.join(stale)}: run `python -m liger_lab.chapters`")
+            sys.exit(f"chapters/ is out of date for {', '.join(stale)}: run `python -m liger_lab.workbook.chapters`")
         print("chapters/ is in sync with solutions/")
     else:
         for path in generate(names=[Path(a).name for a in arguments] or None):

@@ -156,13 +156,13 @@ def write_rows(rows: Iterable[dict], path: Path, *, environment: dict | None = N
     """Write a benchmark's rows to ``path`` as a JSON list: the one writer of every benchmark script and command.
 
     Each row gets the fields of ``environment`` it lacks (default: this process's GPU, versions and date,
-    :func:`liger_lab.bench.environment`; a parent that must not touch the GPU passes its children's) and the
+    :func:`liger_lab.profiling.environment`; a parent that must not touch the GPU passes its children's) and the
     ``commit`` measured (:func:`commit`). The file is written aside and then renamed, so a run stopped midway leaves
     the previous complete file, never half of one."""
     if environment is None:
-        from liger_lab import bench  # imports torch: only a writer needs it
+        from liger_lab import profiling  # imports torch: only a writer needs it
 
-        environment = bench.environment()
+        environment = profiling.environment()
     shared = {**environment, "commit": commit()}
     stamped = [{**row, **{key: value for key, value in shared.items() if key not in row}} for row in rows]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,20 +6,23 @@ shape, gives the shapes used by checks and benchmarks, the bytes (or FLOPs) the 
 ``liger_lab::`` PyTorch operators behind it, its opt-in variants, and its Liger-Kernel peer. The
 ``liger-lab check`` command, the benchmarks (:mod:`liger_lab.bench`), the ``opcheck`` and
 ``torch.compile`` tests all iterate over :data:`OPS`: a new op is one more row.
+
+It names the peers the benchmarks measure against (Liger-Kernel, TRL), so it sits with the tools that read it,
+above the package root, and not in :mod:`liger_lab.ops`, whose kernels know nothing of benchmarks.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.ops import logprobs
+from liger_lab.formulas import HEAD_OUTPUTS
 
 Shape = tuple[int, ...]
 
@@ -65,11 +68,11 @@ class OpSpec:
     """Whether a CUDA graph can capture the op (not when it reads a value back to the host)."""
     check_tolerances: dict[torch.dtype, float] = field(default_factory=dict)
     """Relative L2 tolerances of ``liger-lab check`` by dtype, where the op's GPU check shape needs more than
-    :data:`liger_lab.checks.TOLERANCE` (each with the reason where it is set)."""
+    :data:`liger_lab.workbook.checks.TOLERANCE` (each with the reason where it is set)."""
 
     @property
     def function(self) -> Callable[..., object]:
-        return getattr(importlib.import_module("liger_lab"), self.name)
+        return getattr(liger_lab, self.name)
 
     @property
     def reference(self) -> Callable[..., object]:
@@ -405,7 +408,7 @@ OPS: dict[str, OpSpec] = {
             # The entropy as well (what TRL's fused head computes for GRPO), and every output TRL's head has with a
             # soft cap and a logit scale (what its SFT, DPO and KTO trainers ask of a Gemma 2): labelled rows.
             variants={"entropy": {"entropy": True},
-                      "all_outputs": {"outputs": logprobs.HEAD_OUTPUTS, "softcap": 30.0, "logit_scale": 0.5}},
+                      "all_outputs": {"outputs": HEAD_OUTPUTS, "softcap": 30.0, "logit_scale": 0.5}},
             graph_timing=False,
             # TRL 1.16's fused LM head, the head its trainers run, for the same outputs.
             liger_modules={"trl": _trl_head(entropy=False), "trl:entropy": _trl_head(entropy=True)},
