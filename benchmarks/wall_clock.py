@@ -36,6 +36,7 @@ import torch
 
 import liger_lab  # noqa: F401  (first: it chooses the GPU or the interpreter before triton is imported)
 from liger_lab import bench, profiling, runtime
+from liger_lab.e2e.isolation import run_isolated
 from liger_lab.e2e.presets import model_config
 from liger_lab.e2e.training import (
     MODES,
@@ -64,7 +65,6 @@ HOST_BOUND_SHAPES = {
 """A shape per op where the GPU's work is a few microseconds per kernel: the host's time decides the wall clock."""
 Report = Callable[[dict], None]
 IMPLS = ("liger_lab", "liger", "eager")
-LENGTHS = tuple(range(384, 1537, 128))
 E2E_RUNS = tuple((mode, batch, seq, {}) for batch, seq in ((4, 1024), (8, 512)) for mode in MODES)
 VARIANT_RUNS = (
     ("liger_lab+compile", 4, 1024, {"kernels": True}),
@@ -130,31 +130,17 @@ def op_rows(names: list[str], report: Report) -> None:
                 report(row)
 
 
-def step_row(mode: str, batch: int, seq: int, *, chunk: int | None, kernels: bool, lengths: bool) -> dict:
+def step_row(mode: str, batch: int, seq: int, *, chunk: int | None, kernels: bool) -> dict:
     """One training run of the small preset in ``mode`` (this process only: patching is global)."""
     from torch._dynamo.utils import counters
 
     config = model_config("small")
     label = mode + (":kernels" if kernels else "") + (f":chunk={chunk}" if chunk else "")
-    row: dict = {"op": "e2e_lengths" if lengths else "e2e", "model": "small", "impl": label, "batch": batch}
+    row: dict = {"op": "e2e", "model": "small", "impl": label, "batch": batch}
     with operators.kernels_under_compile() if kernels else contextlib.nullcontext():
         model = build_model(config)
         apply_mode(model, mode, loss_chunk_tokens=chunk)
         optimizer = make_optimizer(model, 1e-4)
-        if lengths:
-            times = []
-            for length in LENGTHS + LENGTHS:
-                tokens = random_batch(config, batch, length, length)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                loss = train_step(model, optimizer, tokens)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            second = times[len(LENGTHS) :]
-            row.update(lengths=list(LENGTHS), first_pass_s=round(sum(times[: len(LENGTHS)]), 2),
-                       ms_per_step=round(1e3 * sum(second) / len(second), 2),
-                       graphs=counters["stats"]["unique_graphs"], loss_last=round(loss.item(), 4))  # fmt: skip
-            return row
         tokens = random_batch(config, batch, seq, 0)
         losses = [train_step(model, optimizer, tokens) for _ in range(3)]
         torch.cuda.synchronize()
@@ -198,8 +184,9 @@ def e2e_rows(report: Report, *, variants: bool = False, sizes: list[str] | None 
 
 
 def length_rows(report: Report, modes: list[str]) -> None:
+    """The compiled modes over DESIGN's 10 new lengths (:func:`liger_lab.e2e.training.train_lengths`)."""
     for mode in modes:
-        report(run_child(["--mode", mode, "--batch", "4", "--seq", "0", "--lengths"], timeout_s=400))
+        report(run_isolated("lengths", mode=mode, model="small", batch=4, seq=0, timeout_s=400))
 
 
 def environment() -> dict:
@@ -225,7 +212,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--chunk", type=int)
     parser.add_argument("--kernels", action="store_true")
-    parser.add_argument("--lengths", action="store_true")
     parser.add_argument("--variants", action="store_true", help="e2e: also the rows behind the defaults' choices")
     parser.add_argument("--sizes", nargs="*", help="e2e: only these batch x seq sizes, e.g. 4x1024")
     parser.add_argument("--modes", nargs="*", default=["hf+compile", "liger_lab+compile"], help="lengths: the modes")
@@ -233,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     if runtime.INTERPRET:
         raise SystemExit("wall_clock.py measures a GPU's wall clock: run it on a machine with CUDA")
     if args.part == "step":
-        row = step_row(args.mode, args.batch, args.seq, chunk=args.chunk, kernels=args.kernels, lengths=args.lengths)
+        row = step_row(args.mode, args.batch, args.seq, chunk=args.chunk, kernels=args.kernels)
         print(json.dumps(row), flush=True)
         return
 

@@ -30,6 +30,7 @@ from liger_lab.e2e.reports import (
     compare_losses,
     format_comparison,
     format_fit,
+    format_lengths,
     format_losses,
     format_reference,
     format_run,
@@ -37,7 +38,7 @@ from liger_lab.e2e.reports import (
     plot_runs,
     plot_timelines,
 )
-from liger_lab.e2e.training import MODES, available_modes, base_mode, is_compiled, timer_label
+from liger_lab.e2e.training import MODES, available_modes, base_mode, is_compiled, timer_label, varying_lengths
 from liger_lab.hf import FAMILIES
 from liger_lab.op_checks import CHECK_OPS, format_checks, run_checks
 from liger_lab.workbook.results import write_rows
@@ -312,6 +313,12 @@ class _Children:
     show_default=True,
     help="torch.compile backend of the +compile modes (aot_eager: trace without generating code).",
 )
+@click.option(
+    "--lengths",
+    is_flag=True,
+    help="Also train each mode over 10 new sequence lengths (384..1536 on a GPU) at the first --batch: ms per "
+    "step, host time and the graphs compiled.",
+)
 def bench_e2e(
     modes,
     models,
@@ -330,6 +337,7 @@ def bench_e2e(
     plot_path,
     timeline_path,
     compile_backend,
+    lengths,
 ) -> None:
     """Train each model preset a few steps per mode, each run in a fresh process: tokens/s, peak memory, loss.
 
@@ -366,6 +374,10 @@ def bench_e2e(
         if candidates:
             for mode in modes:
                 click.echo(format_fit(children.run("fit", mode=mode, model=model, shapes=candidates, **common)))
+        if lengths:
+            batch = sizes[0][0]
+            runs = [children.run("lengths", mode=mode, model=model, batch=batch, seq=0, **common) for mode in modes]
+            click.echo(f"\nover {len(varying_lengths())} new lengths, batch {batch}:\n{format_lengths(runs)}")
         if timeline_path:
             batch, seq = sizes[0]
             for mode in modes:

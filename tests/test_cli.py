@@ -135,13 +135,18 @@ def test_bench_ops_rejects_a_bad_shape():
 def test_bench_e2e_runs_a_tiny_model_in_a_fresh_process(tmp_path):
     json_path = tmp_path / "e2e.json"
     result = invoke("bench", "e2e", "--mode", "hf", "--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "1",
-                    "--warmup", "0", "--breakdown", "--json", str(json_path))  # fmt: skip
+                    "--warmup", "0", "--breakdown", "--lengths", "--json", str(json_path))  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "analytic memory of one step, batch 2 x seq 16" in result.output
-    (row,) = json.loads(json_path.read_text())
+    row, lengths = json.loads(json_path.read_text())
     assert row["op"] == "e2e" and row["impl"] == "hf" and (row["batch"], row["seq"]) == (2, 16)
     assert row["tokens_per_s"] > 0 and math.isfinite(row["loss0"])
+    assert row["host_ms_per_step"] > 0 and row["gpu_ms_per_step"] is None  # no GPU time in the interpreter
     assert VERSION_KEYS <= set(row)
+    # --lengths: one more run per mode, over 10 new sequence lengths, with its table
+    assert lengths["op"] == "e2e_lengths" and len(lengths["lengths"]) == len(set(lengths["lengths"])) == 10
+    assert lengths["ms_per_step"] > 0 and lengths["host_ms_per_step"] > 0
+    assert "over 10 new lengths, batch 2:" in result.output and "1st pass s" in result.output
 
 
 def test_e2e_sizes_pair_up():

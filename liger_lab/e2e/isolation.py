@@ -17,9 +17,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from liger_lab.e2e.presets import DTYPES, MODEL_SIZES, model_config
-from liger_lab.e2e.training import MODES, largest_fit, memory_timeline, profile_step, timer_label, train
+from liger_lab.e2e.training import (
+    MODES,
+    largest_fit,
+    memory_timeline,
+    profile_step,
+    timer_label,
+    train,
+    train_lengths,
+)
 
-TASKS = {"train": "e2e", "fit": "e2e_fit", "timeline": "e2e_timeline", "profile": "e2e_profile"}
+TASKS = {"train": "e2e", "fit": "e2e_fit", "timeline": "e2e_timeline", "profile": "e2e_profile",
+         "lengths": "e2e_lengths"}  # fmt: skip
 """The tasks of ``python -m liger_lab.e2e``, each with the op its rows carry."""
 ENVIRONMENT = ("date", "gpu", "torch", "triton", "transformers", "liger_lab", "liger_kernel")
 
@@ -40,10 +49,10 @@ def run_isolated(
     compile_backend: str | None = None,
     timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    """Run :func:`liger_lab.e2e.train` (task "train"), :func:`~liger_lab.e2e.largest_fit` ("fit", over
-    ``shapes``), :func:`~liger_lab.e2e.memory_timeline` ("timeline") or :func:`~liger_lab.e2e.profile_step`
-    ("profile") in a fresh ``python -m liger_lab.e2e`` process and return its JSON row, which names the preset
-    (``"model"``).
+    """Run :func:`liger_lab.e2e.train` (task "train"), :func:`~liger_lab.e2e.training.train_lengths` ("lengths"),
+    :func:`~liger_lab.e2e.largest_fit` ("fit", over ``shapes``), :func:`~liger_lab.e2e.memory_timeline`
+    ("timeline") or :func:`~liger_lab.e2e.profile_step` ("profile") in a fresh ``python -m liger_lab.e2e`` process
+    and return its JSON row, which names the preset (``"model"``).
 
     A child that dies without a row (a CUDA crash, a missing package) gives the row it was asked for with its
     "error"; one still running after ``timeout_s`` seconds is killed (see :func:`child_row`).
@@ -132,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.task == "fit":
         shapes = [parse_shape(s) for s in args.shapes.split(",") if s] or [(args.batch, args.seq)]
         row = largest_fit(args.mode, config, shapes, **common)
+    elif args.task == "lengths":
+        row = train_lengths(args.mode, config, args.batch, **common)
     elif args.task == "timeline":
         row = memory_timeline(args.mode, config, args.batch, args.seq, **common)
     else:

@@ -24,8 +24,8 @@ BF16_RTOL = 2.0**-7
 OURS = "liger_lab"
 
 RUN_HEADER = (
-    f"{'mode':<18}{'batch x seq':>12}{'tokens/s':>11}{'vs hf':>7}{'peak GiB':>10}{'1st step s':>12}{'loss0':>9}"
-    f"{'loss last':>11}"
+    f"{'mode':<18}{'batch x seq':>12}{'tokens/s':>11}{'vs hf':>7}{'peak GiB':>10}{'host ms':>9}{'GPU ms':>8}"
+    f"{'1st step s':>12}{'loss0':>9}{'loss last':>11}"
 )
 
 
@@ -49,15 +49,31 @@ def format_run(row: dict[str, Any], rows: Sequence[dict[str, Any]] = ()) -> str:
     ratio = f"{row['tokens_per_s'] / hf['tokens_per_s']:.2f}x" if hf.get("tokens_per_s") else ""
     peak = "n/a" if row.get("peak_gib") is None else f"{row['peak_gib']:.1f}"
     first = "" if row.get("compile_s") is None else f"{row['compile_s']:.2f}"
+    host = "" if row.get("host_ms_per_step") is None else f"{row['host_ms_per_step']:.1f}"
+    gpu = "n/a" if row.get("gpu_ms_per_step") is None else f"{row['gpu_ms_per_step']:.1f}"
     return (
-        f"{row['impl']:<18}{shape:>12}{row['tokens_per_s']:>11.0f}{ratio:>7}{peak:>10}{first:>12}"
+        f"{row['impl']:<18}{shape:>12}{row['tokens_per_s']:>11.0f}{ratio:>7}{peak:>10}{host:>9}{gpu:>8}{first:>12}"
         f"{row['loss0']:>9.4f}{row['loss_last']:>11.4f}"
     )
 
 
+def format_lengths(rows: Sequence[dict[str, Any]]) -> str:
+    """The varying-lengths rows (:func:`liger_lab.e2e.training.train_lengths`): per mode, ms per step over the
+    second pass, host ms per step, graphs compiled and the first pass's seconds."""
+    lines = [f"{'mode':<18}{'ms/step':>9}{'host ms':>9}{'graphs':>8}{'1st pass s':>12}"]
+    for row in rows:
+        if row.get("error"):
+            lines.append(f"{row['impl']:<18}  error: {error_summary(row['error'])}")
+            continue
+        graphs = "" if row.get("graphs") is None else row["graphs"]
+        lines.append(f"{row['impl']:<18}{row['ms_per_step']:>9.2f}{row['host_ms_per_step']:>9.2f}{graphs:>8}"
+                     f"{row['first_pass_s']:>12.1f}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def format_runs(rows: Sequence[dict[str, Any]]) -> str:
-    """A table of training rows: tokens/s (and the ratio to "hf" at the same size), peak GiB, the first
-    step's wall time (torch.compile and Triton compile there), first and last loss."""
+    """A table of training rows: tokens/s (and the ratio to "hf" at the same size), peak GiB, host CPU and GPU
+    milliseconds per step, the first step's wall time (torch.compile and Triton compile there), first and last loss."""
     return "\n".join([RUN_HEADER] + [format_run(r, rows) for r in rows])
 
 

@@ -238,10 +238,12 @@ def train(
                 compile_s = time.perf_counter() - start
         before = _compile_counts() if compiled else {}
         runtime.synchronize()
-        start = time.perf_counter()
+        start, host_start = time.perf_counter(), time.process_time()
         losses += [train_step(model, optimizer, tokens) for _ in range(steps)]
         runtime.synchronize()
-        elapsed = time.perf_counter() - start
+        elapsed, host = time.perf_counter() - start, time.process_time() - host_start
+        # Profiled apart from the timed steps (the profiler slows the host): what the GPU did in a step.
+        gpu_ms = runtime.measure_kernel_sum_ms(lambda: train_step(model, optimizer, tokens), calls=2)
     except torch.cuda.OutOfMemoryError:
         return result_row(mode, config, batch, seq, oom=True, **info)
     if compiled:
@@ -252,8 +254,46 @@ def train(
     return result_row(
         mode, config, batch, seq, tokens_per_s=round(batch * seq * steps / elapsed, 1), peak_gib=peak_memory_gib(),
         loss0=round(curve[0], 4), loss_last=round(curve[-1], 4), losses=curve,
-        compile_s=None if compile_s is None else round(compile_s, 3), **info,
+        compile_s=None if compile_s is None else round(compile_s, 3), ms_per_step=round(1e3 * elapsed / steps, 2),
+        host_ms_per_step=round(1e3 * host / steps, 2), gpu_ms_per_step=None if gpu_ms is None else round(gpu_ms, 2),
+        **info,
     )  # fmt: skip
+
+
+def varying_lengths() -> tuple[int, ...]:
+    """DESIGN's round-4 lengths: 10 new sequence lengths, 384..1536 on a GPU (short ones on CPU)."""
+    return runtime.pick(cpu=tuple(range(8, 27, 2)), gpu=tuple(range(384, 1537, 128)))
+
+
+def train_lengths(
+    mode: str, config: PretrainedConfig, batch: int, *, dtype: torch.dtype | None = None, lr: float = 1e-4,
+    seed: int = 0, compile_backend: str = "inductor", loss_chunk_tokens: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One step at each of :func:`varying_lengths`, then the same lengths again, timed: whether a compiled model
+    meets a new length without recompiling each time, and what a step costs then. The row has ms_per_step (the
+    second pass's mean), first_pass_s (the first pass, compiles included), graphs (compiled in the whole run) and
+    host_ms_per_step. Call it in a fresh process, as :func:`train`."""
+    lengths = varying_lengths()
+    dtype = dtype or default_dtype()
+    model = build_model(config, dtype=dtype, seed=seed)
+    apply_mode(model, mode, compile_backend=compile_backend, loss_chunk_tokens=loss_chunk_tokens)
+    optimizer = make_optimizer(model, lr)
+    batches = [random_batch(config, batch, length, seed + length) for length in lengths]
+    start = time.perf_counter()
+    for tokens in batches:
+        train_step(model, optimizer, tokens)
+    runtime.synchronize()
+    first_pass = time.perf_counter() - start
+    start, host_start = time.perf_counter(), time.process_time()
+    losses = [train_step(model, optimizer, tokens) for tokens in batches]
+    runtime.synchronize()
+    elapsed, host = time.perf_counter() - start, time.process_time() - host_start
+    return {
+        **result_row(mode, config, batch, 0, loss_last=round(losses[-1].item(), 4), dtype=str(dtype)[6:]),
+        "op": "e2e_lengths", "lengths": list(lengths), "first_pass_s": round(first_pass, 2),
+        "ms_per_step": round(1e3 * elapsed / len(lengths), 2), "host_ms_per_step": round(1e3 * host / len(lengths), 2),
+        "graphs": _compile_counts()["graphs"] if is_compiled(mode) else None, "timer": timer_label(),
+    }  # fmt: skip
 
 
 def timer_label() -> str:
