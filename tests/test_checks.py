@@ -33,6 +33,15 @@ def test_a_check_line_prints_the_tested_metric_beside_its_tolerance(capsys):
     assert line == "PASS scaled  rel L2 1.0e-06 (tol 1e-05)  context: max |err| 2.0e-04"
 
 
+def test_check_close_with_a_dtype_fails_an_output_of_another_dtype(capsys):
+    # An fp16 kernel that returns its fp32 accumulator is close to the reference, and still wrong.
+    expected = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert checks.check_close("fp16 out", expected.half(), expected, dtype=torch.float16)
+    assert not checks.check_close("fp32 out", expected.float(), expected, dtype=torch.float16)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == "FAIL fp32 out  dtype float32, expected float16"
+
+
 def test_check_against_reference_collects_output_and_gradient_errors():
     errors = []
     x = torch.randn(5, 7)

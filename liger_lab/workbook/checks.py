@@ -47,10 +47,15 @@ def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def _compare(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> tuple[bool, str]:
-    """Whether ``actual`` is within ``tol`` of ``expected``, and the figures that say so (or say why not)."""
+def _compare(
+    actual: torch.Tensor, expected: torch.Tensor, tol: float, dtype: torch.dtype | None = None
+) -> tuple[bool, str]:
+    """Whether ``actual`` is within ``tol`` of ``expected`` (and of ``dtype`` when given), and the figures that say so
+    (or say why not)."""
     if actual.shape != expected.shape:
         return False, f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    if dtype is not None and actual.dtype != dtype:
+        return False, f"dtype {str(actual.dtype).removeprefix('torch.')}, expected {str(dtype).removeprefix('torch.')}"
     finite = bool(torch.isfinite(actual).all())
     rel = relative_l2_error(actual, expected)
     max_abs = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
@@ -86,18 +91,20 @@ def check_close(
     tol: float | None = None,
     *,
     errors: list[float] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> bool:
     """Print a PASS/FAIL line comparing ``actual`` with ``expected``; return whether it passed.
 
     The test is the relative L2 error against ``tol`` (by default from :data:`TOLERANCE` for the dtype of
     ``actual``), and every value must be finite. A FAIL line says which of the two failed and by how much,
-    and where the largest error is. ``errors``, when given, receives the relative error measured. Inside
-    :func:`guarded`, a kernel's access outside its tensors fails the check first, and a failed check raises
-    :class:`CheckFailed`."""
+    and where the largest error is. With ``dtype``, ``actual`` must also be of that dtype (an output a kernel
+    should return in its input's dtype, or in fp32 whatever the input). ``errors``, when given, receives the
+    relative error measured. Inside :func:`guarded`, a kernel's access outside its tensors fails the check first,
+    and a failed check raises :class:`CheckFailed`."""
     if _ACTIVE is not None:
         _ACTIVE.fail_on_accesses(name)
     tol = TOLERANCE.get(actual.dtype, 1e-5) if tol is None else tol
-    ok, figures = _compare(actual, expected, tol)
+    ok, figures = _compare(actual, expected, tol, dtype)
     if errors is not None and actual.shape == expected.shape:
         errors.append(relative_l2_error(actual, expected))
     print(f"{'PASS' if ok else 'FAIL'} {name}  {figures}")
