@@ -253,3 +253,56 @@ def test_a_kernel_marker_left_in_written_code_says_which_line_to_delete():
 
     with pytest.raises(exercises.ExerciseNotDone, match=r"still in `written`: delete line \d+ of its cell, `pass  #"):
         written[(1,)](torch.zeros(1, device=runtime.DEVICE))
+
+
+@triton.jit
+def _column_sum_kernel(x_ptr, out_ptr, n_rows, n_cols, ATOMIC: tl.constexpr, BLOCK: tl.constexpr):
+    # Program p adds row p of x into out: a sum across programs, by atomics or by load + add + store.
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    row = tl.load(x_ptr + tl.program_id(0) * n_cols + cols, mask=mask, other=0.0)
+    if ATOMIC:
+        tl.atomic_add(out_ptr + cols, row, mask=mask)
+    else:
+        total = tl.load(out_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + cols, total + row, mask=mask)
+
+
+@interpreter_only
+def test_a_sum_across_programs_without_atomics_is_a_race(capsys):
+    # The interpreter runs programs one at a time, so the plain sum is right there; on a GPU it loses updates.
+    x = torch.randn(4, 6)
+    with pytest.raises(checks.CheckFailed, match=r"^exercise 9\.7: `column sums` failed"):
+        with checks.guarded("exercise 9.7") as guard:
+            out = guard.band(torch.zeros(6), "out")
+            _column_sum_kernel[(4,)](x, out, 4, 6, ATOMIC=False, BLOCK=8)
+            checks.check_close("column sums", out, x.sum(0))
+    assert capsys.readouterr().out.strip() == (
+        "FAIL column sums  race: program 0 loaded and stored back 6 elements of `out` that program 1 stored too: "
+        "lost updates: use tl.atomic_add"
+    )
+    with checks.guarded("exercise 9.7") as guard:
+        out = guard.band(torch.zeros(6), "out")
+        _column_sum_kernel[(4,)](x, out, 4, 6, ATOMIC=True, BLOCK=8)
+        assert checks.check_close("column sums", out, x.sum(0))
+
+
+@triton.jit
+def _first_program_writes_kernel(out_ptr, n, BLOCK: tl.constexpr):
+    # Program 0 clears out; every other program adds 1: right only if program 0 runs first.
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < n
+    if tl.program_id(0) == 0:
+        tl.store(out_ptr + offsets, tl.zeros([BLOCK], tl.float32), mask=mask)
+    else:
+        tl.atomic_add(out_ptr + offsets, tl.full([BLOCK], 1.0, tl.float32), mask=mask)
+
+
+@interpreter_only
+def test_programs_run_in_a_shuffled_order_inside_a_guard():
+    out = torch.full((4,), 7.0)
+    _first_program_writes_kernel[(8,)](out, 4, BLOCK=4)
+    assert (out == 7).all()  # in order, program 0 clears first, then seven programs add 1 each
+    with checks.guarded("exercise 9.8"):
+        _first_program_writes_kernel[(8,)](out, 4, BLOCK=4)
+    assert not (out == 7).all()  # program 0 ran after some of the others

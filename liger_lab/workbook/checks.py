@@ -12,11 +12,19 @@ each load and store of a kernel is checked against the tensors it was launched w
 reported (``program 3 wrote 5 elements past the end of `out```) and never reaches memory, so an unmasked store
 cannot corrupt the Python process. Inputs copied with :meth:`Guard.band` sit between bands of NaN (or of an
 integer sentinel), so on the GPU too a write past a tensor is caught and a read past it poisons the result.
+
+The interpreter runs a launch's programs one after another, where a GPU runs them at the same time. Inside a guard
+it runs them in a shuffled order (seeded: the same order on every run), and it looks for what only the order hides:
+a program that loads elements and stores them back while another program of the same launch stores them too. On a
+GPU the two read the same old value and one sum overwrites the other; the check fails with
+``race: program 1 loaded and stored back 8 elements of `dw` that program 0 stored too: lost updates: use
+tl.atomic_add``. Atomic operations are never such a race.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -357,6 +365,7 @@ class _InterpreterWatch:
 
     _BUILDER_METHODS = (
         "create_masked_load", "create_masked_store", "create_atomic_rmw", "create_get_program_id", "create_addptr",
+        "set_grid_idx",
     )  # fmt: skip
 
     def __init__(self, guard: Guard):
@@ -367,6 +376,12 @@ class _InterpreterWatch:
         self.found: dict[tuple, _Access] = {}
         self.tail: tuple[int, int] | None = None  # (elements before, first program) inside Guard.tail
         self.saved: dict[tuple[type, str], Callable] = {}
+        self.order: list[tuple[int, int, int]] | None = []  # the launch's programs in the order they run
+        self.grid: tuple[int, int, int] = (1, 1, 1)
+        self.launches = 0
+        self.loads: list[tuple[tuple[int, int, int], np.ndarray]] = []  # (program, addresses) of the launch's loads
+        self.stores: list[tuple[tuple[int, int, int], np.ndarray]] = []
+        self.races: list[str] = []
 
     def __enter__(self) -> _InterpreterWatch:
         builder, executor = self.interpreter.InterpreterBuilder, self.interpreter.GridExecutor
@@ -378,12 +393,22 @@ class _InterpreterWatch:
 
         def load(self, ptrs, mask, other, cache_policy, is_volatile):
             mask = watch.allowed(self, "read", ptrs, mask)
+            watch.note(watch.loads, self, ptrs, mask)
             return originals["create_masked_load"](self, ptrs, mask, other, cache_policy, is_volatile)
 
         def store(self, ptrs, value, mask, cache_policy):
-            return originals["create_masked_store"](
-                self, ptrs, value, watch.allowed(self, "wrote", ptrs, mask), cache_policy
-            )
+            mask = watch.allowed(self, "wrote", ptrs, mask)
+            watch.note(watch.stores, self, ptrs, mask)
+            return originals["create_masked_store"](self, ptrs, value, mask, cache_policy)
+
+        def grid_idx(self, x, y, z):  # the launch's loop asks for programs in order; run them in watch.order
+            if watch.order is None and watch.extents:
+                watch.grid = grid = tuple(int(size) for size in self.grid_dim)
+                watch.order = [(i, j, k) for i in range(grid[0]) for j in range(grid[1]) for k in range(grid[2])]
+                random.Random(watch.launches).shuffle(watch.order)
+            if watch.order:
+                x, y, z = watch.order[(x * watch.grid[1] + y) * watch.grid[2] + z]
+            return originals["set_grid_idx"](self, x, y, z)
 
         def atomic(self, op, ptr, val, mask, sem, scope):
             return originals["create_atomic_rmw"](
@@ -408,14 +433,19 @@ class _InterpreterWatch:
             # Arguments left to their defaults are not passed: fewer values than names.
             named = [*zip(executor_self.arg_names, args, strict=False), *kwargs.items()]
             watch.extents = [watch.extent(name, value) for name, value in named if isinstance(value, torch.Tensor)]
+            watch.loads, watch.stores = [], []
+            watch.launches += 1
+            watch.order = None  # made by the launch's first program, once the grid is known
             try:
-                return original_call(executor_self, *args, **kwargs)
+                result = original_call(executor_self, *args, **kwargs)
+                watch.find_lost_updates()
+                return result
             finally:
-                watch.extents = []
+                watch.extents, watch.order, watch.loads, watch.stores = [], [], [], []
 
         for name, method in (
             ("create_masked_load", load), ("create_masked_store", store), ("create_atomic_rmw", atomic),
-            ("create_get_program_id", program_id), ("create_addptr", addptr),
+            ("create_get_program_id", program_id), ("create_addptr", addptr), ("set_grid_idx", grid_idx),
         ):  # fmt: skip
             setattr(builder, name, method)
         executor.__call__ = call
@@ -424,6 +454,50 @@ class _InterpreterWatch:
     def __exit__(self, *exc_info: object) -> None:
         for (owner, name), method in self.saved.items():
             setattr(owner, name, method)
+
+    def note(self, accesses: list, builder, ptrs, mask) -> None:
+        """Keep the addresses of the live lanes of one load or store, with the program that made it."""
+        if not self.extents:
+            return
+        live = np.broadcast_to(mask.data, ptrs.data.shape).reshape(-1).astype(bool)
+        if live.any():
+            program = tuple(int(i) for i in builder.grid_idx)
+            accesses.append((program, np.ascontiguousarray(ptrs.data).reshape(-1)[live].astype(np.int64)))
+
+    def find_lost_updates(self) -> None:
+        """After a launch: record a program that loaded elements and stored them back while another program of the
+        launch stored them too (on a GPU both read the old value: one update is lost)."""
+        if len({program for program, _ in self.stores}) < 2:
+            return
+        programs = sorted({program for program, _ in self.stores} | {program for program, _ in self.loads})
+        number = {program: index for index, program in enumerate(programs)}
+        pairs = np.unique(
+            np.stack([
+                np.concatenate([addresses for _, addresses in self.stores]),
+                np.concatenate([np.full(len(addresses), number[p]) for p, addresses in self.stores]),
+            ]),
+            axis=1,
+        )  # fmt: skip
+        addresses, writers = np.unique(pairs[0], return_counts=True)
+        shared = addresses[writers > 1]  # stored by two programs or more
+        if not len(shared):
+            return
+        for program, loaded in sorted(self.loads, key=lambda load: load[0]):  # the first program that lost one
+            suspects = np.intersect1d(np.intersect1d(loaded, shared), pairs[0][pairs[1] == number[program]])
+            if not len(suspects):
+                continue
+            others = pairs[1][np.isin(pairs[0], suspects) & (pairs[1] != number[program])]
+            other = programs[int(others.min())]
+            extent = next((e for e in self.extents if e.contains(suspects[:1].astype(np.uint64))[0]), None)
+            name = extent.name if extent is not None else "a tensor of the launch"
+            dims = max((axis + 1 for axis, size in enumerate(self.grid) if size > 1), default=1)
+            shown = [p[0] if dims == 1 else p[:dims] for p in (program, other)]
+            count = len(suspects)
+            self.races.append(
+                f"program {shown[0]} loaded and stored back {count} element{'s' if count > 1 else ''} of `{name}` "
+                f"that program {shown[1]} stored too: lost updates: use tl.atomic_add"
+            )
+            return
 
     def extent(self, argument: str, tensor: torch.Tensor) -> _Extent:
         """The extent of a launch argument, named after the band it lives in, else after the argument."""
@@ -487,13 +561,18 @@ class _InterpreterWatch:
         access.addresses.update(addresses.tolist())
 
     def report(self) -> list[str]:
-        """The out-of-bounds accesses seen since the last report (the first few, in the order they happened), and
-        forget them."""
-        found = [access.describe() for access in self.found.values()]
+        """The out-of-bounds accesses seen since the last report (the first few, by program: programs run in a
+        shuffled order), and forget them."""
+        found = [access.describe() for access in sorted(self.found.values(), key=lambda access: access.program)]
         self.found = {}
         if len(found) > _REPORTED_ACCESSES:
             found = [*found[:_REPORTED_ACCESSES], f"and {len(found) - _REPORTED_ACCESSES} more"]
         return found
+
+    def report_races(self) -> list[str]:
+        """The lost updates seen since the last report (the first launch's), and forget them."""
+        races, self.races = self.races[:1], []
+        return races
 
 
 class Guard:
@@ -555,11 +634,14 @@ class Guard:
         return found
 
     def fail_on_accesses(self, name: str) -> None:
-        """Before check ``name``: fail it when a kernel accessed memory outside its tensors."""
+        """Before check ``name``: fail it when a kernel accessed memory outside its tensors, or when two of its
+        programs raced to update the same elements."""
         found = self.violations()
-        if found:
-            print(f"{'BUG SHOWN' if self.bug else 'FAIL'} {name}  out of bounds: {'; '.join(found)}")
-            self.shown += found
+        races = self.watch.report_races() if self.watch is not None else []
+        parts = ([f"out of bounds: {'; '.join(found)}"] if found else []) + [f"race: {race}" for race in races]
+        if parts:
+            print(f"{'BUG SHOWN' if self.bug else 'FAIL'} {name}  {'; '.join(parts)}")
+            self.shown += found + races
             self.stop(name)
 
     def require(self, ok: bool, name: str) -> bool:
