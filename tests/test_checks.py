@@ -306,3 +306,28 @@ def test_programs_run_in_a_shuffled_order_inside_a_guard():
     with checks.guarded("exercise 9.8"):
         _first_program_writes_kernel[(8,)](out, 4, BLOCK=4)
     assert not (out == 7).all()  # program 0 ran after some of the others
+
+
+def test_output_names_and_dtypes_of_check_against_reference(capsys):
+    # A float32 output promised from fp16 input: returned in fp16 it fails, and its line names it.
+    x = torch.randn(4, 6).half()
+
+    def fp16_softmax(x):
+        return x.softmax(-1), x.float().sum(-1)
+
+    def promised(x):
+        return x.float().softmax(-1), x.float().sum(-1)
+
+    def reference_fn(x):
+        return x.softmax(-1), x.sum(-1)
+
+    names, dtypes = ["probs", "total"], [torch.float32, torch.float32]
+    assert checks.check_against_reference(
+        "promised", promised, reference_fn, [x], input_names=["x"], output_names=names, output_dtypes=dtypes
+    )
+    assert not checks.check_against_reference(
+        "fp16", fp16_softmax, reference_fn, [x], input_names=["x"], output_names=names, output_dtypes=dtypes
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("PASS promised: probs  rel L2") and "(tol 1e-05)" in lines[0]
+    assert [line for line in lines if line.startswith("FAIL")] == ["FAIL fp16: probs  dtype float16, expected float32"]

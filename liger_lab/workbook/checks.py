@@ -154,6 +154,8 @@ def check_against_reference(
     inputs: Sequence[object],
     *,
     input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    output_dtypes: Sequence[torch.dtype] | None = None,
     tol: float | None = None,
     errors: list[float] | None = None,
 ) -> bool:
@@ -162,8 +164,11 @@ def check_against_reference(
     Floating tensors in ``inputs`` are copied with their strides (kernels may reuse their buffers) and given
     ``requires_grad``; inside :func:`guarded` the copies sit in guard bands. The reference gets float64 copies.
     Each output receives the same random upstream gradient in both runs (see :func:`_upstream_gradient_like`).
-    Prints one line per output and per gradient; returns True when all pass.
-    ``errors``, when given, receives every relative error measured.
+    Prints one line per output (named by ``output_names``, else ``output`` or ``output 0``, ``output 1``...) and
+    per gradient; returns True when all pass. ``output_dtypes`` are the dtypes the outputs must have (a float32
+    log-prob of fp16 logits, say): an output of another dtype fails, and each is held to its dtype's tolerance,
+    since the reference computes from the same input values. ``errors``, when given, receives every relative error
+    measured.
     """
     names = list(input_names) if input_names is not None else [f"input {i}" for i in range(len(inputs))]
 
@@ -187,12 +192,18 @@ def check_against_reference(
     # An output is as exact as the least precise of the inputs it was computed from (an fp32 loss of
     # fp16 logits carries the fp16 rounding of those logits).
     input_dtypes = [v.dtype for v in ours if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if output_names is not None and len(output_names) != len(outputs):
+        raise ValueError(f"{len(output_names)} output names for {len(outputs)} outputs")
     for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
         label = "output" if len(outputs) == 1 else f"output {i}"
+        label = output_names[i] if output_names is not None else label
+        dtype = output_dtypes[i] if output_dtypes is not None else None
         out_tol = tol
-        if tol is None:
+        if tol is None and dtype is not None:
+            out_tol = TOLERANCE.get(dtype, 1e-5)
+        elif tol is None:
             out_tol = max(TOLERANCE.get(dtype, 1e-5) for dtype in [out.dtype, *input_dtypes])
-        ok &= check_close(f"{name}: {label}", out.detach(), ref.detach(), out_tol, errors=errors)
+        ok &= check_close(f"{name}: {label}", out.detach(), ref.detach(), out_tol, errors=errors, dtype=dtype)
     differentiable = [
         (n, a, b)
         for n, a, b in zip(names, ours, theirs, strict=True)
