@@ -308,6 +308,24 @@ def test_programs_run_in_a_shuffled_order_inside_a_guard():
     assert not (out == 7).all()  # program 0 ran after some of the others
 
 
+def test_an_index_out_of_range_in_the_learners_code_is_one_located_line():
+    # A gather at an ignored target (-100) raises inside PyTorch; the learner gets where and what, in one line.
+    def logp_of(logits, target):
+        return logits.log_softmax(-1).gather(-1, target[:, None])[:, 0]
+
+    target = torch.tensor([1, -100, 2])
+    with pytest.raises(checks.CheckFailed) as caught:
+        with checks.guarded("exercise 9.9"):
+            logp_of(torch.randn(3, 5), target)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("exercise 9.9: RuntimeError at line ")
+    assert "of `logp_of`: index -100 is out of bounds" in message and "ignore_index" in message
+    with pytest.raises(ZeroDivisionError):  # any other error keeps its traceback
+        with checks.guarded("exercise 9.9"):
+            1 / 0  # noqa: B018
+
+
 def test_output_names_and_dtypes_of_check_against_reference(capsys):
     # A float32 output promised from fp16 input: returned in fp16 it fails, and its line names it.
     x = torch.randn(4, 6).half()

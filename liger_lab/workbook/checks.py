@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -669,6 +672,33 @@ class Guard:
             )
 
 
+_OUT_OF_BOUNDS_INDEX = re.compile(r"index (-?\d+) is out of bounds")
+
+
+def _index_error(name: str, error: BaseException) -> str | None:
+    """One line for an index out of range in the learner's code (``torch.gather`` at a target of -100, say): where it
+    happened and what to do, instead of a traceback through PyTorch; None for any other error."""
+    found = _OUT_OF_BOUNDS_INDEX.search(str(error))
+    if found is None:
+        return None
+    library = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    theirs = [frame for frame in frames if not frame.f_code.co_filename.startswith(library)]
+    where = ""
+    if theirs:
+        frame = theirs[-1]
+        owner = "the cell" if frame.f_code.co_name == "<module>" else f"`{frame.f_code.co_name}`"
+        where = f" at line {frame.f_lineno} of {owner}"
+    hint = ""
+    if int(found.group(1)) < 0:
+        hint = (
+            f": {found.group(1)} is the target of an ignored position (ignore_index): index with a valid target in its"
+            " place, e.g. torch.where(target == ignore_index, 0, target), and zero the result there"
+        )
+    first_line = str(error).strip().splitlines()[0]
+    return f"{name}: {type(error).__name__}{where}: {first_line}{hint}"
+
+
 @contextlib.contextmanager
 def guarded(name: str, *, bug: bool = False) -> Iterator[Guard]:
     """Run one exercise's checks: the first that fails raises :class:`CheckFailed`, and every kernel launched stays
@@ -688,7 +718,13 @@ def guarded(name: str, *, bug: bool = False) -> Iterator[Guard]:
     with guard.watch if guard.watch is not None else contextlib.nullcontext(), quiet_lanes:
         _ACTIVE = guard
         try:
-            yield guard
+            try:
+                yield guard
+            except (IndexError, RuntimeError) as error:
+                message = _index_error(name, error)
+                if message is None:
+                    raise
+                raise CheckFailed(message) from None
             guard.fail_on_accesses(name)
             if bug and not guard.shown:
                 print(f"BUG HIDDEN {name}  every access stayed inside the tensors")
