@@ -682,13 +682,13 @@ def _index_error(name: str, error: BaseException) -> str | None:
     if found is None:
         return None
     library = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))
-    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
-    theirs = [frame for frame in frames if not frame.f_code.co_filename.startswith(library)]
+    steps = list(traceback.walk_tb(error.__traceback__))  # (frame, the line it was at), outermost first
+    theirs = [(frame, line) for frame, line in steps if not frame.f_code.co_filename.startswith(library)]
     where = ""
     if theirs:
-        frame = theirs[-1]
+        frame, line = theirs[-1]
         owner = "the cell" if frame.f_code.co_name == "<module>" else f"`{frame.f_code.co_name}`"
-        where = f" at line {frame.f_lineno} of {owner}"
+        where = f" at line {line} of {owner}"
     hint = ""
     if int(found.group(1)) < 0:
         hint = (
