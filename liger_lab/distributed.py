@@ -421,6 +421,48 @@ def worker(plan: dict[str, Any], out_path: str) -> None:
 # The launch, from a notebook, a test or a script
 
 
+def head_loss_problem(fn: Callable) -> str | None:
+    """Run the head loss ``fn`` here, on the model unsharded, and say in one line what makes it not the fused loss
+    that trains like one process, or None: ``lm_head`` returned logits (the loss was not its forward), the fused
+    loss never ran, or a parameter got no gradient (``lm_head.bias got no gradient``). An error raised by ``fn``
+    itself propagates, with its traceback."""
+    from liger_lab.ops import fused_linear_cross_entropy as flce_ops
+
+    model = HeadModel(fn).to(runtime.DEVICE)
+    logits: list[tuple[int, ...]] = []
+
+    def watch_output(module, args, output):
+        if isinstance(output, torch.Tensor) and output.dim() and output.shape[-1] == module.out_features:
+            logits.append(tuple(output.shape))
+
+    calls = []
+    fused = liger_lab.fused_linear_cross_entropy
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    handle = model.lm_head.register_forward_hook(watch_output)
+    liger_lab.fused_linear_cross_entropy = flce_ops.fused_linear_cross_entropy = counting
+    try:
+        x, target = (t.to(runtime.DEVICE) for t in head_batch())
+        model(x, target).backward()
+    finally:
+        liger_lab.fused_linear_cross_entropy = flce_ops.fused_linear_cross_entropy = fused
+        handle.remove()
+    if logits:
+        return (
+            f"lm_head returned logits of shape {logits[0]}: the loss must run as lm_head's forward, with the fused "
+            "loss in place of its matmul"
+        )
+    if not calls:
+        return "liger_lab.fused_linear_cross_entropy never ran: the loss is not the fused one"
+    missing = [name for name, parameter in model.named_parameters() if parameter.grad is None]
+    if missing:
+        return f"{missing[0]} got no gradient" + (f" (nor {', '.join(missing[1:])})" if missing[1:] else "")
+    return None
+
+
 def _source(fn: Callable) -> str:
     try:
         return textwrap.dedent(inspect.getsource(fn))
@@ -439,18 +481,24 @@ def launch(
     """Run ``cases`` (names of :data:`CASES`) and ``head_losses`` in ``nproc`` processes; return process 0's
     report: ``launch`` (backend and devices), then per case or head loss the loss, the gradients and the
     one-process reference (``cases``: also the worst gradient, the fused loss's calls, any fallback, and what
-    ``lm_head.weight`` was along the step; a head loss that raised has ``error`` instead). ``curve_steps``: also
+    ``lm_head.weight`` was along the step; a head loss that raised, or that :func:`head_loss_problem` finds is not
+    the fused loss training like one process, has ``error`` instead, a line that says why). ``curve_steps``: also
     ``curves``, the losses of that many training steps of a small Llama in one process and under FSDP2."""
     unknown = [case for case in cases if case not in CASES]
     if unknown:
         raise ValueError(f"unknown case(s) {unknown}: expected names from {list(CASES)}")
     if BATCH % nproc or HEAD_TOKENS % nproc:
         raise ValueError(f"nproc is {nproc}: expected a divisor of {BATCH} (the batches are split evenly)")
-    sources = {}
+    sources, problems = {}, {}
     for label, fn in (head_losses or {}).items():
-        sources[label] = {"name": fn.__name__, "source": _source(fn)}
-        x, target = (t.to(runtime.DEVICE) for t in head_batch())
-        HeadModel(fn).to(runtime.DEVICE)(x, target).backward()  # here first, unsharded: errors come with a traceback
+        source = {"name": fn.__name__, "source": _source(fn)}
+        problem = head_loss_problem(fn)  # here first, unsharded: errors come with a traceback
+        if problem is None:
+            sources[label] = source
+        else:
+            problems[label] = {"error": problem}
+    if not cases and not sources and not curve_steps:  # nothing left for the processes to run
+        return {"launch": "not launched", "cases": {}, "head_losses": problems}
     env = dict(os.environ)
     gpus = runtime.pick(cpu=0, gpu=torch.cuda.device_count())
     if gpus < nproc:  # not one GPU per process: every process runs on CPU, in Triton's interpreter
@@ -465,7 +513,9 @@ def launch(
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"the {nproc} processes failed (exit code {done.returncode}):\n{done.stderr[-4000:]}")
-        return torch.load(out_path, weights_only=True)
+        report = torch.load(out_path, weights_only=True)
+    report["head_losses"].update(problems)
+    return report
 
 
 def main(argv: Sequence[str] | None = None) -> None:

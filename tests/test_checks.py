@@ -33,6 +33,15 @@ def test_a_check_line_prints_the_tested_metric_beside_its_tolerance(capsys):
     assert line == "PASS scaled  rel L2 1.0e-06 (tol 1e-05)  context: max |err| 2.0e-04"
 
 
+def test_check_close_with_a_dtype_fails_an_output_of_another_dtype(capsys):
+    # An fp16 kernel that returns its fp32 accumulator is close to the reference, and still wrong.
+    expected = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert checks.check_close("fp16 out", expected.half(), expected, dtype=torch.float16)
+    assert not checks.check_close("fp32 out", expected.float(), expected, dtype=torch.float16)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == "FAIL fp32 out  dtype float32, expected float16"
+
+
 def test_check_against_reference_collects_output_and_gradient_errors():
     errors = []
     x = torch.randn(5, 7)
@@ -232,3 +241,100 @@ def test_a_kernel_marker_left_in_written_code_says_which_line_to_delete():
 
     with pytest.raises(exercises.ExerciseNotDone, match=r"still in `written`: delete line \d+ of its cell, `pass  #"):
         written[(1,)](torch.zeros(1, device=runtime.DEVICE))
+
+
+@triton.jit
+def _column_sum_kernel(x_ptr, out_ptr, n_rows, n_cols, ATOMIC: tl.constexpr, BLOCK: tl.constexpr):
+    # Program p adds row p of x into out: a sum across programs, by atomics or by load + add + store.
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    row = tl.load(x_ptr + tl.program_id(0) * n_cols + cols, mask=mask, other=0.0)
+    if ATOMIC:
+        tl.atomic_add(out_ptr + cols, row, mask=mask)
+    else:
+        total = tl.load(out_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + cols, total + row, mask=mask)
+
+
+@interpreter_only
+def test_a_sum_across_programs_without_atomics_is_a_race(capsys):
+    # The interpreter runs programs one at a time, so the plain sum is right there; on a GPU it loses updates.
+    x = torch.randn(4, 6)
+    with pytest.raises(checks.CheckFailed, match=r"^exercise 9\.7: `column sums` failed"):
+        with checks.guarded("exercise 9.7") as guard:
+            out = guard.band(torch.zeros(6), "out")
+            _column_sum_kernel[(4,)](x, out, 4, 6, ATOMIC=False, BLOCK=8)
+            checks.check_close("column sums", out, x.sum(0))
+    assert capsys.readouterr().out.strip() == (
+        "FAIL column sums  race: program 0 loaded and stored back 6 elements of `out` that program 1 stored too: "
+        "lost updates: use tl.atomic_add"
+    )
+    with checks.guarded("exercise 9.7") as guard:
+        out = guard.band(torch.zeros(6), "out")
+        _column_sum_kernel[(4,)](x, out, 4, 6, ATOMIC=True, BLOCK=8)
+        assert checks.check_close("column sums", out, x.sum(0))
+
+
+@triton.jit
+def _first_program_writes_kernel(out_ptr, n, BLOCK: tl.constexpr):
+    # Program 0 clears out; every other program adds 1: right only if program 0 runs first.
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < n
+    if tl.program_id(0) == 0:
+        tl.store(out_ptr + offsets, tl.zeros([BLOCK], tl.float32), mask=mask)
+    else:
+        tl.atomic_add(out_ptr + offsets, tl.full([BLOCK], 1.0, tl.float32), mask=mask)
+
+
+@interpreter_only
+def test_programs_run_in_a_shuffled_order_inside_a_guard():
+    out = torch.full((4,), 7.0)
+    _first_program_writes_kernel[(8,)](out, 4, BLOCK=4)
+    assert (out == 7).all()  # in order, program 0 clears first, then seven programs add 1 each
+    with checks.guarded("exercise 9.8"):
+        _first_program_writes_kernel[(8,)](out, 4, BLOCK=4)
+    assert not (out == 7).all()  # program 0 ran after some of the others
+
+
+def test_an_index_out_of_range_in_the_learners_code_is_one_located_line():
+    # A gather at an ignored target (-100) raises inside PyTorch; the learner gets where and what, in one line.
+    def logp_of(logits, target):
+        return logits.log_softmax(-1).gather(-1, target[:, None])[:, 0]
+
+    target = torch.tensor([1, -100, 2])
+    with pytest.raises(checks.CheckFailed) as caught:
+        with checks.guarded("exercise 9.9"):
+            logp_of(torch.randn(3, 5), target)
+    message = str(caught.value)
+    assert "\n" not in message
+    line = logp_of.__code__.co_firstlineno + 1  # the gather
+    assert message.startswith(f"exercise 9.9: RuntimeError at line {line} of `logp_of`: index -100 is out of bounds")
+    assert "ignore_index" in message
+    with pytest.raises(ZeroDivisionError):  # any other error keeps its traceback
+        with checks.guarded("exercise 9.9"):
+            1 / 0  # noqa: B018
+
+
+def test_output_names_and_dtypes_of_check_against_reference(capsys):
+    # A float32 output promised from fp16 input: returned in fp16 it fails, and its line names it.
+    x = torch.randn(4, 6).half()
+
+    def fp16_softmax(x):
+        return x.softmax(-1), x.float().sum(-1)
+
+    def promised(x):
+        return x.float().softmax(-1), x.float().sum(-1)
+
+    def reference_fn(x):
+        return x.softmax(-1), x.sum(-1)
+
+    names, dtypes = ["probs", "total"], [torch.float32, torch.float32]
+    assert checks.check_against_reference(
+        "promised", promised, reference_fn, [x], input_names=["x"], output_names=names, output_dtypes=dtypes
+    )
+    assert not checks.check_against_reference(
+        "fp16", fp16_softmax, reference_fn, [x], input_names=["x"], output_names=names, output_dtypes=dtypes
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("PASS promised: probs  rel L2") and "(tol 1e-05)" in lines[0]
+    assert [line for line in lines if line.startswith("FAIL")] == ["FAIL fp16: probs  dtype float16, expected float32"]

@@ -79,3 +79,13 @@ def test_the_rope_figure_draws_the_kernels_own_tiling():
     tile = rope.rope_tile(128)
     assert any(f"BLOCK_R = {tile.block_r} rows of BLOCK_D = {tile.block_d} pairs" in t for t in texts)
     _check_draws(fig)
+
+
+def test_the_attention_figure_colours_one_row_and_one_column_of_tiles():
+    # The forward's program walks its row up to the diagonal, the dK/dV program its column down from it.
+    fig = diagrams.attention_tiles(n_blocks=5, query_block=3, key_block=1)
+    steps = [[t.get_text() for t in ax.texts if t.get_text().startswith("step ")] for ax in fig.axes]
+    assert steps == [[f"step {i}" for i in range(4)], [f"step {i}" for i in range(4)]]
+    with pytest.raises(ValueError, match="query_block"):
+        diagrams.attention_tiles(n_blocks=3, query_block=3)
+    _check_draws(fig)

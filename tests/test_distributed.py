@@ -18,7 +18,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from liger_lab import distributed, runtime  # noqa: E402
+import liger_lab  # noqa: E402
+from liger_lab import distributed, patching, runtime  # noqa: E402
 
 on_cpu = pytest.mark.skipif(not runtime.INTERPRET, reason="the gloo tests run on CPU; GPUs use NCCL")
 on_two_gpus = pytest.mark.skipif(
@@ -90,3 +91,49 @@ def test_a_head_the_fused_loss_cannot_take_is_reported():
         warnings.simplefilter("always")
         model(input_ids=input_ids, labels=labels)  # reported already: no second warning
     assert not [w for w in caught if "materialises the logits" in str(w.message)]
+
+
+def _fused_head_loss(head, hidden, target):
+    def loss_of(h):
+        return liger_lab.fused_linear_cross_entropy(h, head.weight, target, head.bias)
+
+    return patching._as_forward_of(head, loss_of, hidden)
+
+
+def _bias_dropped(head, hidden, target):
+    def loss_of(h):
+        return liger_lab.fused_linear_cross_entropy(h, head.weight, target)
+
+    return patching._as_forward_of(head, loss_of, hidden)
+
+
+def _unfused(head, hidden, target):
+    return torch.nn.functional.cross_entropy(head(hidden), target)
+
+
+def _by_hand(head, hidden, target):
+    return torch.nn.functional.cross_entropy(hidden @ head.weight.T + head.bias, target)
+
+
+@pytest.mark.parametrize(
+    "fn, problem",
+    [
+        (_fused_head_loss, None),
+        (_bias_dropped, "lm_head.bias got no gradient"),
+        (_unfused, "lm_head returned logits of shape"),
+        (_by_hand, "liger_lab.fused_linear_cross_entropy never ran"),
+    ],
+)
+def test_a_head_loss_that_is_not_the_fused_one_is_named_in_one_line(fn, problem):
+    # Exercise 12.3's wrong solutions: each gets its line here, before any process starts, instead of a traceback.
+    found = distributed.head_loss_problem(fn)
+    if problem is None:
+        assert found is None
+    else:
+        assert found.startswith(problem) and "\n" not in found
+        assert distributed.launch(head_losses={"12.3": fn}) == {
+            "launch": "not launched",
+            "cases": {},
+            "head_losses": {"12.3": {"error": found}},
+        }
+    assert liger_lab.fused_linear_cross_entropy is liger_lab.ops.fused_linear_cross_entropy.fused_linear_cross_entropy

@@ -12,13 +12,24 @@ each load and store of a kernel is checked against the tensors it was launched w
 reported (``program 3 wrote 5 elements past the end of `out```) and never reaches memory, so an unmasked store
 cannot corrupt the Python process. Inputs copied with :meth:`Guard.band` sit between bands of NaN (or of an
 integer sentinel), so on the GPU too a write past a tensor is caught and a read past it poisons the result.
+
+The interpreter runs a launch's programs one after another, where a GPU runs them at the same time. Inside a guard
+it runs them in a shuffled order (seeded: the same order on every run), and it looks for what only the order hides:
+a program that loads elements and stores them back while another program of the same launch stores them too. On a
+GPU the two read the same old value and one sum overwrites the other; the check fails with
+``race: program 1 loaded and stored back 8 elements of `dw` that program 0 stored too: lost updates: use
+tl.atomic_add``. Atomic operations are never such a race.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
+import re
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -47,10 +58,15 @@ def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def _compare(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> tuple[bool, str]:
-    """Whether ``actual`` is within ``tol`` of ``expected``, and the figures that say so (or say why not)."""
+def _compare(
+    actual: torch.Tensor, expected: torch.Tensor, tol: float, dtype: torch.dtype | None = None
+) -> tuple[bool, str]:
+    """Whether ``actual`` is within ``tol`` of ``expected`` (and of ``dtype`` when given), and the figures that say so
+    (or say why not)."""
     if actual.shape != expected.shape:
         return False, f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    if dtype is not None and actual.dtype != dtype:
+        return False, f"dtype {str(actual.dtype).removeprefix('torch.')}, expected {str(dtype).removeprefix('torch.')}"
     finite = bool(torch.isfinite(actual).all())
     rel = relative_l2_error(actual, expected)
     max_abs = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
@@ -86,18 +102,20 @@ def check_close(
     tol: float | None = None,
     *,
     errors: list[float] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> bool:
     """Print a PASS/FAIL line comparing ``actual`` with ``expected``; return whether it passed.
 
     The test is the relative L2 error against ``tol`` (by default from :data:`TOLERANCE` for the dtype of
     ``actual``), and every value must be finite. A FAIL line says which of the two failed and by how much,
-    and where the largest error is. ``errors``, when given, receives the relative error measured. Inside
-    :func:`guarded`, a kernel's access outside its tensors fails the check first, and a failed check raises
-    :class:`CheckFailed`."""
+    and where the largest error is. With ``dtype``, ``actual`` must also be of that dtype (an output a kernel
+    should return in its input's dtype, or in fp32 whatever the input). ``errors``, when given, receives the
+    relative error measured. Inside :func:`guarded`, a kernel's access outside its tensors fails the check first,
+    and a failed check raises :class:`CheckFailed`."""
     if _ACTIVE is not None:
         _ACTIVE.fail_on_accesses(name)
     tol = TOLERANCE.get(actual.dtype, 1e-5) if tol is None else tol
-    ok, figures = _compare(actual, expected, tol)
+    ok, figures = _compare(actual, expected, tol, dtype)
     if errors is not None and actual.shape == expected.shape:
         errors.append(relative_l2_error(actual, expected))
     print(f"{'PASS' if ok else 'FAIL'} {name}  {figures}")
@@ -139,6 +157,8 @@ def check_against_reference(
     inputs: Sequence[object],
     *,
     input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    output_dtypes: Sequence[torch.dtype] | None = None,
     tol: float | None = None,
     errors: list[float] | None = None,
 ) -> bool:
@@ -147,8 +167,11 @@ def check_against_reference(
     Floating tensors in ``inputs`` are copied with their strides (kernels may reuse their buffers) and given
     ``requires_grad``; inside :func:`guarded` the copies sit in guard bands. The reference gets float64 copies.
     Each output receives the same random upstream gradient in both runs (see :func:`_upstream_gradient_like`).
-    Prints one line per output and per gradient; returns True when all pass.
-    ``errors``, when given, receives every relative error measured.
+    Prints one line per output (named by ``output_names``, else ``output`` or ``output 0``, ``output 1``...) and
+    per gradient; returns True when all pass. ``output_dtypes`` are the dtypes the outputs must have (a float32
+    log-prob of fp16 logits, say): an output of another dtype fails, and each is held to its dtype's tolerance,
+    since the reference computes from the same input values. ``errors``, when given, receives every relative error
+    measured.
     """
     names = list(input_names) if input_names is not None else [f"input {i}" for i in range(len(inputs))]
 
@@ -172,12 +195,18 @@ def check_against_reference(
     # An output is as exact as the least precise of the inputs it was computed from (an fp32 loss of
     # fp16 logits carries the fp16 rounding of those logits).
     input_dtypes = [v.dtype for v in ours if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if output_names is not None and len(output_names) != len(outputs):
+        raise ValueError(f"{len(output_names)} output names for {len(outputs)} outputs")
     for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
         label = "output" if len(outputs) == 1 else f"output {i}"
+        label = output_names[i] if output_names is not None else label
+        dtype = output_dtypes[i] if output_dtypes is not None else None
         out_tol = tol
-        if tol is None:
+        if tol is None and dtype is not None:
+            out_tol = TOLERANCE.get(dtype, 1e-5)
+        elif tol is None:
             out_tol = max(TOLERANCE.get(dtype, 1e-5) for dtype in [out.dtype, *input_dtypes])
-        ok &= check_close(f"{name}: {label}", out.detach(), ref.detach(), out_tol, errors=errors)
+        ok &= check_close(f"{name}: {label}", out.detach(), ref.detach(), out_tol, errors=errors, dtype=dtype)
     differentiable = [
         (n, a, b)
         for n, a, b in zip(names, ours, theirs, strict=True)
@@ -350,6 +379,7 @@ class _InterpreterWatch:
 
     _BUILDER_METHODS = (
         "create_masked_load", "create_masked_store", "create_atomic_rmw", "create_get_program_id", "create_addptr",
+        "set_grid_idx",
     )  # fmt: skip
 
     def __init__(self, guard: Guard):
@@ -360,6 +390,12 @@ class _InterpreterWatch:
         self.found: dict[tuple, _Access] = {}
         self.tail: tuple[int, int] | None = None  # (elements before, first program) inside Guard.tail
         self.saved: dict[tuple[type, str], Callable] = {}
+        self.order: list[tuple[int, int, int]] | None = []  # the launch's programs in the order they run
+        self.grid: tuple[int, int, int] = (1, 1, 1)
+        self.launches = 0
+        self.loads: list[tuple[tuple[int, int, int], np.ndarray]] = []  # (program, addresses) of the launch's loads
+        self.stores: list[tuple[tuple[int, int, int], np.ndarray]] = []
+        self.races: list[str] = []
 
     def __enter__(self) -> _InterpreterWatch:
         builder, executor = self.interpreter.InterpreterBuilder, self.interpreter.GridExecutor
@@ -371,12 +407,22 @@ class _InterpreterWatch:
 
         def load(self, ptrs, mask, other, cache_policy, is_volatile):
             mask = watch.allowed(self, "read", ptrs, mask)
+            watch.note(watch.loads, self, ptrs, mask)
             return originals["create_masked_load"](self, ptrs, mask, other, cache_policy, is_volatile)
 
         def store(self, ptrs, value, mask, cache_policy):
-            return originals["create_masked_store"](
-                self, ptrs, value, watch.allowed(self, "wrote", ptrs, mask), cache_policy
-            )
+            mask = watch.allowed(self, "wrote", ptrs, mask)
+            watch.note(watch.stores, self, ptrs, mask)
+            return originals["create_masked_store"](self, ptrs, value, mask, cache_policy)
+
+        def grid_idx(self, x, y, z):  # the launch's loop asks for programs in order; run them in watch.order
+            if watch.order is None and watch.extents:
+                watch.grid = grid = tuple(int(size) for size in self.grid_dim)
+                watch.order = [(i, j, k) for i in range(grid[0]) for j in range(grid[1]) for k in range(grid[2])]
+                random.Random(watch.launches).shuffle(watch.order)
+            if watch.order:
+                x, y, z = watch.order[(x * watch.grid[1] + y) * watch.grid[2] + z]
+            return originals["set_grid_idx"](self, x, y, z)
 
         def atomic(self, op, ptr, val, mask, sem, scope):
             return originals["create_atomic_rmw"](
@@ -401,14 +447,19 @@ class _InterpreterWatch:
             # Arguments left to their defaults are not passed: fewer values than names.
             named = [*zip(executor_self.arg_names, args, strict=False), *kwargs.items()]
             watch.extents = [watch.extent(name, value) for name, value in named if isinstance(value, torch.Tensor)]
+            watch.loads, watch.stores = [], []
+            watch.launches += 1
+            watch.order = None  # made by the launch's first program, once the grid is known
             try:
-                return original_call(executor_self, *args, **kwargs)
+                result = original_call(executor_self, *args, **kwargs)
+                watch.find_lost_updates()
+                return result
             finally:
-                watch.extents = []
+                watch.extents, watch.order, watch.loads, watch.stores = [], [], [], []
 
         for name, method in (
             ("create_masked_load", load), ("create_masked_store", store), ("create_atomic_rmw", atomic),
-            ("create_get_program_id", program_id), ("create_addptr", addptr),
+            ("create_get_program_id", program_id), ("create_addptr", addptr), ("set_grid_idx", grid_idx),
         ):  # fmt: skip
             setattr(builder, name, method)
         executor.__call__ = call
@@ -417,6 +468,50 @@ class _InterpreterWatch:
     def __exit__(self, *exc_info: object) -> None:
         for (owner, name), method in self.saved.items():
             setattr(owner, name, method)
+
+    def note(self, accesses: list, builder, ptrs, mask) -> None:
+        """Keep the addresses of the live lanes of one load or store, with the program that made it."""
+        if not self.extents:
+            return
+        live = np.broadcast_to(mask.data, ptrs.data.shape).reshape(-1).astype(bool)
+        if live.any():
+            program = tuple(int(i) for i in builder.grid_idx)
+            accesses.append((program, np.ascontiguousarray(ptrs.data).reshape(-1)[live].astype(np.int64)))
+
+    def find_lost_updates(self) -> None:
+        """After a launch: record a program that loaded elements and stored them back while another program of the
+        launch stored them too (on a GPU both read the old value: one update is lost)."""
+        if len({program for program, _ in self.stores}) < 2:
+            return
+        programs = sorted({program for program, _ in self.stores} | {program for program, _ in self.loads})
+        number = {program: index for index, program in enumerate(programs)}
+        pairs = np.unique(
+            np.stack([
+                np.concatenate([addresses for _, addresses in self.stores]),
+                np.concatenate([np.full(len(addresses), number[p]) for p, addresses in self.stores]),
+            ]),
+            axis=1,
+        )  # fmt: skip
+        addresses, writers = np.unique(pairs[0], return_counts=True)
+        shared = addresses[writers > 1]  # stored by two programs or more
+        if not len(shared):
+            return
+        for program, loaded in sorted(self.loads, key=lambda load: load[0]):  # the first program that lost one
+            suspects = np.intersect1d(np.intersect1d(loaded, shared), pairs[0][pairs[1] == number[program]])
+            if not len(suspects):
+                continue
+            others = pairs[1][np.isin(pairs[0], suspects) & (pairs[1] != number[program])]
+            other = programs[int(others.min())]
+            extent = next((e for e in self.extents if e.contains(suspects[:1].astype(np.uint64))[0]), None)
+            name = extent.name if extent is not None else "a tensor of the launch"
+            dims = max((axis + 1 for axis, size in enumerate(self.grid) if size > 1), default=1)
+            shown = [p[0] if dims == 1 else p[:dims] for p in (program, other)]
+            count = len(suspects)
+            self.races.append(
+                f"program {shown[0]} loaded and stored back {count} element{'s' if count > 1 else ''} of `{name}` "
+                f"that program {shown[1]} stored too: lost updates: use tl.atomic_add"
+            )
+            return
 
     def extent(self, argument: str, tensor: torch.Tensor) -> _Extent:
         """The extent of a launch argument, named after the band it lives in, else after the argument."""
@@ -480,13 +575,18 @@ class _InterpreterWatch:
         access.addresses.update(addresses.tolist())
 
     def report(self) -> list[str]:
-        """The out-of-bounds accesses seen since the last report (the first few, in the order they happened), and
-        forget them."""
-        found = [access.describe() for access in self.found.values()]
+        """The out-of-bounds accesses seen since the last report (the first few, by program: programs run in a
+        shuffled order), and forget them."""
+        found = [access.describe() for access in sorted(self.found.values(), key=lambda access: access.program)]
         self.found = {}
         if len(found) > _REPORTED_ACCESSES:
             found = [*found[:_REPORTED_ACCESSES], f"and {len(found) - _REPORTED_ACCESSES} more"]
         return found
+
+    def report_races(self) -> list[str]:
+        """The lost updates seen since the last report (the first launch's), and forget them."""
+        races, self.races = self.races[:1], []
+        return races
 
 
 class Guard:
@@ -548,11 +648,14 @@ class Guard:
         return found
 
     def fail_on_accesses(self, name: str) -> None:
-        """Before check ``name``: fail it when a kernel accessed memory outside its tensors."""
+        """Before check ``name``: fail it when a kernel accessed memory outside its tensors, or when two of its
+        programs raced to update the same elements."""
         found = self.violations()
-        if found:
-            print(f"{'BUG SHOWN' if self.bug else 'FAIL'} {name}  out of bounds: {'; '.join(found)}")
-            self.shown += found
+        races = self.watch.report_races() if self.watch is not None else []
+        parts = ([f"out of bounds: {'; '.join(found)}"] if found else []) + [f"race: {race}" for race in races]
+        if parts:
+            print(f"{'BUG SHOWN' if self.bug else 'FAIL'} {name}  {'; '.join(parts)}")
+            self.shown += found + races
             self.stop(name)
 
     def require(self, ok: bool, name: str) -> bool:
@@ -567,6 +670,33 @@ class Guard:
             raise CheckFailed(
                 f"{self.name}: `{name}` failed (see the line above); fix the code and run this cell again"
             )
+
+
+_OUT_OF_BOUNDS_INDEX = re.compile(r"index (-?\d+) is out of bounds")
+
+
+def _index_error(name: str, error: BaseException) -> str | None:
+    """One line for an index out of range in the learner's code (``torch.gather`` at a target of -100, say): where it
+    happened and what to do, instead of a traceback through PyTorch; None for any other error."""
+    found = _OUT_OF_BOUNDS_INDEX.search(str(error))
+    if found is None:
+        return None
+    library = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))
+    steps = list(traceback.walk_tb(error.__traceback__))  # (frame, the line it was at), outermost first
+    theirs = [(frame, line) for frame, line in steps if not frame.f_code.co_filename.startswith(library)]
+    where = ""
+    if theirs:
+        frame, line = theirs[-1]
+        owner = "the cell" if frame.f_code.co_name == "<module>" else f"`{frame.f_code.co_name}`"
+        where = f" at line {line} of {owner}"
+    hint = ""
+    if int(found.group(1)) < 0:
+        hint = (
+            f": {found.group(1)} is the target of an ignored position (ignore_index): index with a valid target in its"
+            " place, e.g. torch.where(target == ignore_index, 0, target), and zero the result there"
+        )
+    first_line = str(error).strip().splitlines()[0]
+    return f"{name}: {type(error).__name__}{where}: {first_line}{hint}"
 
 
 @contextlib.contextmanager
@@ -588,7 +718,13 @@ def guarded(name: str, *, bug: bool = False) -> Iterator[Guard]:
     with guard.watch if guard.watch is not None else contextlib.nullcontext(), quiet_lanes:
         _ACTIVE = guard
         try:
-            yield guard
+            try:
+                yield guard
+            except (IndexError, RuntimeError) as error:
+                message = _index_error(name, error)
+                if message is None:
+                    raise
+                raise CheckFailed(message) from None
             guard.fail_on_accesses(name)
             if bug and not guard.shown:
                 print(f"BUG HIDDEN {name}  every access stayed inside the tensors")

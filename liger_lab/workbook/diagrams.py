@@ -655,6 +655,60 @@ def memory_timeline(events: Sequence[tuple[str, float]] | None = None) -> Figure
     return fig
 
 
+def attention_tiles(n_blocks: int = 5, query_block: int = 3, key_block: int = 1) -> Figure:
+    """Which tiles of causal attention's score matrix one program of each kernel reads.
+
+    The score matrix S = Q K^T is cut into ``n_blocks`` x ``n_blocks`` tiles (query blocks down, key blocks across);
+    tiles above the diagonal are masked by causality and never computed, and a diagonal tile is half masked. The
+    forward program (and the dQ program) of query block ``query_block`` walks its row of tiles from key block 0 to
+    the diagonal, reading that query block once and one K and V block per step; the dK/dV program of key block
+    ``key_block`` walks its column down from the diagonal, reading one block of Q, dO, lse and delta per step.
+    """
+    if not 0 <= query_block < n_blocks or not 0 <= key_block < n_blocks:
+        raise ValueError(f"query_block and key_block must be in [0, {n_blocks}), got {query_block}, {key_block}")
+    fig = _figure("Causal attention: the score tiles one program computes, and the blocks it reads", (12, 5.4))
+    panels = fig.subplots(1, 2)
+    forward = [(query_block, c) for c in range(query_block + 1)]
+    backward = [(r, key_block) for r in range(key_block, n_blocks)]
+    titles = (
+        f"forward (and dQ): program of query block {query_block}",
+        f"dK and dV: program of key block {key_block}",
+    )
+    for index, (ax, tiles, title) in enumerate(zip(panels, (forward, backward), titles, strict=True)):
+        _diagram(ax, (-2.6, n_blocks + 0.4), (-2.4, n_blocks + 1.6))
+        ax.set_title(title, fontsize=10)
+        for r in range(n_blocks):
+            for c in range(n_blocks):
+                if c > r:
+                    _rect(ax, c, r, 1, 1, _MASKED, hatch="///", edge="#888888")
+                    continue
+                face = _colour(index) if (r, c) in tiles else "white"
+                _rect(ax, c, r, 1, 1, face)
+                if c == r:  # the diagonal tile: its part above the diagonal is masked inside the tile
+                    ax.fill([c, c + 1, c + 1], [r, r, r + 1], facecolor=_MASKED, edgecolor="#888888", hatch="///")
+        for step, (r, c) in enumerate(tiles):
+            ax.text(c + 0.5, r + 0.5 + (0.2 if r == c else 0.0), f"step {step}", ha="center", va="center", fontsize=7)
+        read_q = sorted({r for r, _ in tiles})
+        read_k = sorted({c for _, c in tiles})
+        for r in range(n_blocks):  # Q (and dO, lse, delta) blocks down the left
+            _rect(ax, -1.4, r, 0.9, 1, _colour(index) if r in read_q else "white", f"Q{r}", fontsize=7)
+        for c in range(n_blocks):  # K and V blocks across the top
+            _rect(ax, c, -1.4, 1, 0.9, _colour(index) if c in read_k else "white", f"K{c} V{c}", fontsize=7)
+        ax.text(-0.95, -0.95, "S = Q K^T", ha="center", va="center", fontsize=8)
+        held, walked = (
+            ("Q block, held", "K, V blocks, one a step")
+            if index == 0
+            else ("K, V block, held", "Q, dO blocks, one a step")
+        )
+        ax.text(
+            n_blocks / 2, n_blocks + 0.6,
+            f"reads: {held}; {walked}\n{len(tiles)} of {n_blocks} tiles in its {'row' if index == 0 else 'column'}; "
+            "hatched: masked, never computed",
+            ha="center", va="top", fontsize=8,
+        )  # fmt: skip
+    return fig
+
+
 ALL: dict[str, Callable[[], Figure]] = {
     "program_grid": program_grid,
     "persistent_rows": persistent_rows,
@@ -662,4 +716,5 @@ ALL: dict[str, Callable[[], Figure]] = {
     "online_logsumexp": online_logsumexp,
     "flce_chunks": flce_chunks,
     "memory_timeline": memory_timeline,
+    "attention_tiles": attention_tiles,
 }
