@@ -438,9 +438,8 @@ def _train_model(
 def _kernel_times(op: bench.OpBench, impl: str, calls: int) -> dict[str, float]:
     """Kernel times of one forward+backward of ``impl`` at the op's protocol shape in bf16 (inputs freed on return)."""
     fn = op.impls[impl]()
-    inputs = op.make_inputs(op.shape, torch.bfloat16)
-    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    return runtime.kernel_times_ms(lambda: torch.autograd.grad(fn(*inputs), leaves), calls=calls)
+    inputs = list(op.make_inputs(op.shape, torch.bfloat16))
+    return runtime.kernel_times_ms(profiling.forward_backward_of(fn, inputs), calls=calls)
 
 
 @bench_group.command("kernels", short_help="Where an op's forward+backward spends its GPU time, kernel by kernel.")

@@ -142,6 +142,21 @@ class Result:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
+def forward_backward_of(fn: Callable[..., object], inputs: list) -> Callable[[], None]:
+    """A call of ``fn(*inputs)`` and the gradients of every input that requires grad: each differentiable output
+    gets an upstream gradient made once here (1 for a scalar loss, what ``loss.backward()`` passes; random for
+    anything else, such as per-token outputs)."""
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    outputs = _tensors(fn(*inputs))
+    upstream = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outputs]
+    del outputs
+
+    def forward_backward() -> None:
+        torch.autograd.grad(_tensors(fn(*inputs)), leaves, upstream)
+
+    return forward_backward
+
+
 def _tensors(value) -> list[torch.Tensor]:
     values = value if isinstance(value, (tuple, list)) else (value,)
     return [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
@@ -166,17 +181,10 @@ def measure(
     measurement starts, so peak memory counts only what the implementation itself allocates.
     """
     inputs = list(make_inputs())
-    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    outputs = _tensors(fn(*inputs))
-    # A scalar loss gets 1, what loss.backward() passes; anything else a random gradient.
-    upstream = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outputs]
-    del outputs
+    forward_backward = forward_backward_of(fn, inputs)
 
     def forward():
         return fn(*inputs)
-
-    def forward_backward():
-        torch.autograd.grad(_tensors(fn(*inputs)), leaves, upstream)
 
     peak = peak_memory_mib(forward_backward)
     full_ms, timer = gpu_time_ms(forward_backward, graph=graph)
