@@ -63,7 +63,7 @@ import torch
 from liger_lab import runtime
 from liger_lab.ops.common import check_float, row_count, same_shape
 from liger_lab.ops.forward_grad import SCALE_ROWS, refuse_second_derivative
-from liger_lab.ops.operators import Allocator, Operator
+from liger_lab.ops.operators import Allocator, Operator, reads
 
 MIB = 2**20
 CHUNK_ALIGN = 64
@@ -350,34 +350,35 @@ def mean_over_kept(kept: torch.Tensor, n_rows: int, dtype: torch.dtype) -> tuple
 # The gradients: the operators' last outputs, and the backward that finishes them.
 
 
-def _grad_hidden(hidden: torch.Tensor, weight: torch.Tensor, *rest: object) -> torch.Tensor:
-    needs = rest[-1]
+def _grad_hidden(hidden: torch.Tensor, needs: list[bool]) -> torch.Tensor:
     return hidden.new_empty((row_count(hidden), hidden.shape[-1]) if needs[0] else (0,))
 
 
-def _grad_weight(hidden: torch.Tensor, weight: torch.Tensor, *rest: object) -> torch.Tensor:
-    accumulation, needs = rest[-2:]
+def _grad_weight(weight: torch.Tensor, accumulation: str, needs: list[bool]) -> torch.Tensor:
     return weight.new_empty(weight.shape if needs[1] else (0,), dtype=accumulation_dtype(weight, accumulation))
 
 
-def _grad_bias(hidden: torch.Tensor, weight: torch.Tensor, *rest: object) -> torch.Tensor:
-    needs = rest[-1]
+def _grad_bias(weight: torch.Tensor, needs: list[bool]) -> torch.Tensor:
     return weight.new_empty(weight.shape[0] if needs[2] else 0, dtype=torch.float32)
 
 
-def _owed(hidden: torch.Tensor, *rest: object) -> torch.Tensor:
+def _owed(hidden: torch.Tensor) -> torch.Tensor:
     return hidden.new_empty((), dtype=torch.float32)
 
 
-def grad_outputs(*, owed: bool = True) -> dict[str, Allocator]:
+def grad_outputs(*, owed: bool = True, hidden: str = "hidden", weight: str = "weight") -> dict[str, Allocator]:
     """The outputs a fused linear loss's operator ends with, as :func:`liger_lab.ops.operators.define` takes them:
     ``grad_hidden`` (rows, H), ``grad_weight`` (the dW accumulator in :func:`accumulation_dtype`), ``grad_bias``
     (V,) fp32, each empty unless ``needs`` asks for it, then with ``owed`` the fp32 factor the three still owe
     besides the upstream gradient (1 when nothing is owed; a backward operator, which has the upstream gradient
-    already, owes nothing). The allocators read the operator's arguments as the module docstring lays them out:
-    ``(hidden, weight, ..., accumulation, needs)``."""
-    outputs = {"grad_hidden": _grad_hidden, "grad_weight": _grad_weight, "grad_bias": _grad_bias}
-    return {**outputs, "owed": _owed} if owed else outputs
+    already, owes nothing). They read the operator's arguments by name: the head's hidden states and weight (named
+    ``hidden`` and ``weight`` unless the operator names them otherwise), ``accumulation`` and ``needs``."""
+    outputs = {
+        "grad_hidden": reads(_grad_hidden, hidden, "needs"),
+        "grad_weight": reads(_grad_weight, weight, "accumulation", "needs"),
+        "grad_bias": reads(_grad_bias, weight, "needs"),
+    }
+    return {**outputs, "owed": reads(_owed, hidden)} if owed else outputs
 
 
 class Grads(NamedTuple):

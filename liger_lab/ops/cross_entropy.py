@@ -363,9 +363,11 @@ CROSS_ENTROPY = operators.define(
     "cross_entropy",
     _cross_entropy_into,
     outputs={
-        "loss": lambda logits, *_: logits.new_empty(row_count(logits), dtype=torch.float32),
-        "grad": lambda logits, *args: logits.new_empty((row_count(logits), logits.shape[-1]) if args[-1] else (0,)),
-        "counts": lambda logits, *_: logits.new_empty(4, dtype=torch.int64),
+        "loss": lambda logits: logits.new_empty(row_count(logits), dtype=torch.float32),
+        "grad": lambda logits, compute_grad: logits.new_empty(
+            (row_count(logits), logits.shape[-1]) if compute_grad else (0,)
+        ),
+        "counts": lambda logits: logits.new_empty(4, dtype=torch.int64),
     },
     in_place={"grad": "logits"},
 )

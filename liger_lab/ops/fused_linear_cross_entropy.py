@@ -221,8 +221,7 @@ def _backward(
         grads.bias.mul_(valid)
 
 
-def _loss_like(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias, ignore_index, label_smoothing,
-               reduction: str, *rest: object) -> torch.Tensor:  # fmt: skip
+def _loss_like(hidden: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
     return hidden.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
 
 

@@ -120,7 +120,8 @@ def _forward(
 
 FUSED_LINEAR_JSD = define(
     "fused_linear_jsd", _forward,
-    outputs={"loss": lambda hidden, *rest: hidden.new_empty((), dtype=torch.float32), **chunked.grad_outputs()},
+    outputs={"loss": lambda student_hidden: student_hidden.new_empty((), dtype=torch.float32),
+             **chunked.grad_outputs(hidden="student_hidden", weight="student_weight")},
 )  # fmt: skip
 _LOSS = chunked.FusedLoss("fused_linear_jsd", FUSED_LINEAR_JSD)
 

@@ -155,7 +155,7 @@ def _glu_backward_into(
 GLU_BACKWARD = operators.define(
     "glu_backward",
     _glu_backward_into,
-    outputs={"dgate": lambda dout, gate, *_: dense_like(gate), "dup": lambda dout, gate, up, _: dense_like(up)},
+    outputs={"dgate": lambda gate: dense_like(gate), "dup": lambda up: dense_like(up)},
     in_place={"dgate": "gate", "dup": "up"},
 )
 
@@ -184,7 +184,7 @@ def _backward(ctx, dout):
 GLU = operators.define(
     "glu",
     _glu_into,
-    outputs={"out": lambda gate, *_: dense_like(gate)},
+    outputs={"out": lambda gate: dense_like(gate)},
     setup_context=_setup_context,
     backward=_backward,
 )

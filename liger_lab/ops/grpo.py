@@ -214,7 +214,7 @@ def _forward(
 
 FUSED_LINEAR_GRPO = define(
     "fused_linear_grpo", _forward,
-    outputs={"loss": lambda hidden, *rest: hidden.new_empty((), dtype=torch.float32), **chunked.grad_outputs()},
+    outputs={"loss": lambda hidden: hidden.new_empty((), dtype=torch.float32), **chunked.grad_outputs()},
 )  # fmt: skip
 _LOSS = chunked.FusedLoss("fused_linear_grpo", FUSED_LINEAR_GRPO)
 

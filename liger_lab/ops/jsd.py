@@ -290,8 +290,10 @@ JSD = operators.define(
     "jsd",
     _jsd_into,
     outputs={
-        "loss": lambda student, *_: student.new_empty(row_count(student), dtype=torch.float32),
-        "grad": lambda student, *args: student.new_empty((row_count(student), student.shape[-1]) if args[-1] else (0,)),
+        "loss": lambda student_logits: student_logits.new_empty(row_count(student_logits), dtype=torch.float32),
+        "grad": lambda student_logits, compute_grad: student_logits.new_empty(
+            (row_count(student_logits), student_logits.shape[-1]) if compute_grad else (0,)
+        ),
     },
 )
 

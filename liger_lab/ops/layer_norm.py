@@ -244,14 +244,14 @@ def _layer_norm_backward_into(
     _launch_backward(rows_of(dy), rows_of(x), weight.contiguous(), mean.contiguous(), rstd.contiguous(), dx, dw, db)
 
 
-def _parameter_grad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *_: object) -> torch.Tensor:
+def _parameter_grad(weight: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(weight)
 
 
 LAYER_NORM_BACKWARD = operators.define(
     "layer_norm_backward",
     _layer_norm_backward_into,
-    outputs={"dx": lambda dy, x, *_: dense_like(x), "dw": _parameter_grad, "db": _parameter_grad},
+    outputs={"dx": lambda x: dense_like(x), "dw": _parameter_grad, "db": _parameter_grad},
 )
 
 
@@ -269,14 +269,14 @@ def _backward(ctx, dy, _dmean, _drstd):
     return *LAYER_NORM_BACKWARD(dy, *ctx.saved_tensors), None
 
 
-def _statistic(x: torch.Tensor, *_: object) -> torch.Tensor:
+def _statistic(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 LAYER_NORM = operators.define(
     "layer_norm",
     _layer_norm_into,
-    outputs={"y": lambda x, *_: dense_like(x), "mean": _statistic, "rstd": _statistic},
+    outputs={"y": lambda x: dense_like(x), "mean": _statistic, "rstd": _statistic},
     setup_context=_setup_context,
     backward=_backward,
 )

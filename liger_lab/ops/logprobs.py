@@ -452,20 +452,20 @@ def _backward(ctx, grad_logp, grad_entropy, grad_lssp, *_not_differentiable):
     return grad_h, grad_w, None, grad_b, *none[4:]
 
 
-def _per_token(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *rest: object) -> torch.Tensor:
+def _per_token(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return hidden.new_empty(target.shape, dtype=torch.float32)
 
 
 def _wanted(index: int, dtype: torch.dtype = torch.float32):
     """The allocator of the output ``HEAD_OUTPUTS[index]``: target's shape when asked for, else empty."""
 
-    def allocate(hidden, weight, target, bias, temperature, ignore_index, wanted: list[bool], *rest) -> torch.Tensor:
+    def allocate(hidden: torch.Tensor, target: torch.Tensor, wanted: list[bool]) -> torch.Tensor:
         return hidden.new_empty(target.shape if wanted[index] else (0,), dtype=dtype)
 
     return allocate
 
 
-def _stats(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *rest: object) -> torch.Tensor:
+def _stats(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return hidden.new_empty(target.numel(), 2, dtype=torch.float32)
 
 

@@ -89,8 +89,8 @@ MROPE_BACKWARD = operators.define(
     "mrope_backward",
     _mrope_backward_into,
     outputs={
-        "dq": lambda dq_out, dk_out, *args: rotated_like(dq_out, args[-1]),
-        "dk": lambda dq_out, dk_out, *args: rotated_like(dk_out, args[-1]),
+        "dq": lambda dq_out, qk_dtype: rotated_like(dq_out, qk_dtype),
+        "dk": lambda dk_out, qk_dtype: rotated_like(dk_out, qk_dtype),
     },
 )
 
@@ -119,8 +119,8 @@ MROPE = operators.define(
     "mrope",
     _mrope_into,
     outputs={
-        "q_out": lambda q, k, cos, *_: rotated_like(q, torch.promote_types(q.dtype, cos.dtype)),
-        "k_out": lambda q, k, cos, *_: rotated_like(k, torch.promote_types(q.dtype, cos.dtype)),
+        "q_out": lambda q, cos: rotated_like(q, torch.promote_types(q.dtype, cos.dtype)),
+        "k_out": lambda q, k, cos: rotated_like(k, torch.promote_types(q.dtype, cos.dtype)),
     },
     setup_context=_setup_context,
     backward=_backward,

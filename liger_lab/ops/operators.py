@@ -6,8 +6,11 @@ them from two things written once:
 
 * ``impl``, the launcher in **destination-passing style**: it takes the operator's arguments followed by one buffer
   per output, and writes the results into those buffers (it returns nothing);
-* ``outputs``, one allocator per output, by name (the trailing parameters of ``impl``), each called with the
-  operator's arguments and returning an empty tensor of the output's shape, dtype, layout and device.
+* ``outputs``, one allocator per output, by name (the trailing parameters of ``impl``), each returning an empty
+  tensor of the output's shape, dtype, layout and device. An allocator's parameters are named after the
+  operator's arguments it reads, and it is called with those alone (``lambda x: dense_like(x)``,
+  ``def grad_weight(weight, accumulation, needs)``): which arguments it gets is decided by name once, here, so an
+  allocator never counts positions and a renamed argument is a ``TypeError`` at import, not a wrong shape.
 
 From them come the functional operator ``liger_lab::<name>`` (allocate every output, run ``impl``, return them)
 and its fake (the allocators alone, on fake tensors: the fake cannot drift from what the real operator returns).
@@ -69,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -178,13 +182,13 @@ def define(
     ``backward(ctx, *grads)`` are ``torch.library.register_autograd``'s; ``inputs`` are the operator's arguments
     and ``output`` what it returned."""
     output_names = tuple(outputs)
-    allocators = tuple(outputs.values())
     parameters = list(inspect.signature(impl).parameters.values())
     split = len(parameters) - len(output_names)
     arguments, buffers = parameters[:split], parameters[split:]
     if tuple(p.name for p in buffers) != output_names:
         raise TypeError(f"{name}: impl's last parameters must be the outputs {output_names}, got {buffers}")
     argument_names = [p.name for p in arguments]
+    allocators = tuple(_by_name(name, output, allocate, argument_names) for output, allocate in outputs.items())
     in_place = dict(in_place or {})
 
     default, eager_default = _register(name, impl, arguments, allocators, written_over={}, mutates=mutates)
@@ -199,11 +203,42 @@ def define(
     return Operator(name, default, twin, eager_default, eager_twin)
 
 
+def reads(allocate: Callable[..., torch.Tensor], *names: str) -> Allocator:
+    """``allocate`` as an allocator that reads the operator's arguments ``names``, handed to it in that order: for
+    an allocator shared by operators that name the same arguments differently (a student's hidden states)."""
+
+    def allocator(*args: object) -> torch.Tensor:
+        return allocate(*args)
+
+    allocator.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY) for name in names]
+    )
+    allocator.__name__ = getattr(allocate, "__name__", "allocator")
+    return allocator
+
+
+def _by_name(name: str, output: str, allocate: Allocator, argument_names: list[str]) -> Callable[[tuple], torch.Tensor]:
+    """``allocate`` as a function of the operator's whole argument tuple, handing it the arguments its parameters
+    name (picked by index, worked out once)."""
+    wanted = list(inspect.signature(allocate).parameters)
+    unknown = [parameter for parameter in wanted if parameter not in argument_names]
+    if unknown:
+        raise TypeError(
+            f"{name}: the allocator of {output!r} reads {unknown}, which are not arguments {argument_names}"
+        )
+    if not wanted:
+        return lambda args: allocate()
+    pick = operator.itemgetter(*(argument_names.index(parameter) for parameter in wanted))
+    if len(wanted) == 1:
+        return lambda args: allocate(pick(args))
+    return lambda args: allocate(*pick(args))
+
+
 def _register(
     name: str,
     impl: Callable[..., None],
     arguments: list[inspect.Parameter],
-    allocators: tuple[Allocator, ...],
+    allocators: tuple[Callable[[tuple], torch.Tensor], ...],
     written_over: dict[int, int],
     mutates: Sequence[str],
 ) -> tuple[torch._ops.OpOverload, Callable[..., object]]:
@@ -223,7 +258,7 @@ def _register(
     if not written_over and not mutated:  # the functional operator: every output allocated and returned
 
         def kernel(*args: object) -> object:
-            made = [allocator(*args) for allocator in allocators]
+            made = [allocator(args) for allocator in allocators]
             impl(*args, *made)
             return result(made)
 
@@ -232,7 +267,7 @@ def _register(
         sources = tuple((written_over.get(i), None if i in written_over else a) for i, a in enumerate(allocators))
 
         def kernel(*args: object) -> object:
-            buffers = [args[index] if allocator is None else allocator(*args) for index, allocator in sources]
+            buffers = [args[index] if allocator is None else allocator(args) for index, allocator in sources]
             impl(*args, *buffers)
             for index in mutated:  # what an ADInplaceOrView kernel would do: a saved copy of it is now stale
                 if not args[index].is_inference():
@@ -240,7 +275,7 @@ def _register(
             return result([buffer for buffer, (index, _) in zip(buffers, sources, strict=True) if index is None])
 
     def fake(*args: object) -> object:
-        return result([allocator(*args) for allocator in returned])
+        return result([allocator(args) for allocator in returned])
 
     qualified = f"liger_lab::{name}"
     _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")

@@ -446,15 +446,16 @@ def _forward(
         reference_scores.copy_(ref_sequences)
 
 
-def _reference_scores(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ref_hidden, ref_weight,
-                      ref_logps, *rest: object) -> torch.Tensor:  # fmt: skip
+def _reference_scores(
+    hidden: torch.Tensor, ref_hidden: torch.Tensor | None, ref_logps: torch.Tensor | None
+) -> torch.Tensor:
     with_reference = ref_hidden is not None or ref_logps is not None
     return hidden.new_empty(hidden.shape[0] if with_reference else 0, dtype=torch.float32)
 
 
 FUSED_LINEAR_PREFERENCE_OUTPUTS = {
-    "total": lambda hidden, *rest: hidden.new_empty((), dtype=torch.float32),
-    "sequence_scores": lambda hidden, *rest: hidden.new_empty(hidden.shape[0], dtype=torch.float32),
+    "total": lambda hidden: hidden.new_empty((), dtype=torch.float32),
+    "sequence_scores": lambda hidden: hidden.new_empty(hidden.shape[0], dtype=torch.float32),
     "reference_scores": _reference_scores,
     **chunked.grad_outputs(),
 }

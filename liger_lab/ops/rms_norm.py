@@ -299,7 +299,7 @@ def _rms_norm_backward_into(
 RMS_NORM_BACKWARD = operators.define(
     "rms_norm_backward",
     _rms_norm_backward_into,
-    outputs={"dx": lambda dy, x, *_: dense_like(x), "dw": lambda dy, x, weight, *_: torch.empty_like(weight)},
+    outputs={"dx": lambda x: dense_like(x), "dw": lambda weight: torch.empty_like(weight)},
     in_place={"dx": "dy"},
 )
 
@@ -327,8 +327,8 @@ RMS_NORM = operators.define(
     "rms_norm",
     _rms_norm_into,
     outputs={
-        "y": lambda x, weight, eps, offset, casting_mode, _: dense_like(x, _output_dtype(x, weight, casting_mode)),
-        "rstd": lambda x, *_: x.new_empty(x.shape[:-1], dtype=torch.float32),
+        "y": lambda x, weight, casting_mode: dense_like(x, _output_dtype(x, weight, casting_mode)),
+        "rstd": lambda x: x.new_empty(x.shape[:-1], dtype=torch.float32),
     },
     setup_context=_setup_context,
     backward=_backward,
@@ -403,7 +403,7 @@ def _add_rms_norm_backward_into(
 ADD_RMS_NORM_BACKWARD = operators.define(
     "add_rms_norm_backward",
     _add_rms_norm_backward_into,
-    outputs={"dx": lambda dy, ds, s, *_: dense_like(s), "dw": lambda dy, ds, s, weight, *_: torch.empty_like(weight)},
+    outputs={"dx": lambda s: dense_like(s), "dw": lambda weight: torch.empty_like(weight)},
 )
 
 
@@ -430,9 +430,9 @@ ADD_RMS_NORM = operators.define(
     "add_rms_norm",
     _add_rms_norm_into,
     outputs={
-        "y": lambda x, residual, weight, eps, offset, mode: dense_like(x, _output_dtype(x, weight, mode)),
-        "s": lambda x, *_: dense_like(x),
-        "rstd": lambda x, *_: x.new_empty(x.shape[:-1], dtype=torch.float32),
+        "y": lambda x, weight, casting_mode: dense_like(x, _output_dtype(x, weight, casting_mode)),
+        "s": lambda x: dense_like(x),
+        "rstd": lambda x: x.new_empty(x.shape[:-1], dtype=torch.float32),
     },
     setup_context=_add_setup_context,
     backward=_add_backward,

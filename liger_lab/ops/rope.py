@@ -265,8 +265,8 @@ ROPE_BACKWARD = operators.define(
     "rope_backward",
     _rope_backward_into,
     outputs={
-        "dq": lambda dq_out, dk_out, cos, sin, qk_dtype: rotated_like(dq_out, qk_dtype),
-        "dk": lambda dq_out, dk_out, cos, sin, qk_dtype: rotated_like(dk_out, qk_dtype),
+        "dq": lambda dq_out, qk_dtype: rotated_like(dq_out, qk_dtype),
+        "dk": lambda dk_out, qk_dtype: rotated_like(dk_out, qk_dtype),
     },
 )
 
@@ -291,8 +291,8 @@ ROPE = operators.define(
     "rope",
     _rope_into,
     outputs={
-        "q_out": lambda q, k, cos, sin: rotated_like(q, torch.promote_types(q.dtype, cos.dtype)),
-        "k_out": lambda q, k, cos, sin: rotated_like(k, torch.promote_types(q.dtype, cos.dtype)),
+        "q_out": lambda q, cos: rotated_like(q, torch.promote_types(q.dtype, cos.dtype)),
+        "k_out": lambda q, k, cos: rotated_like(k, torch.promote_types(q.dtype, cos.dtype)),
     },
     setup_context=_setup_context,
     backward=_backward,
