@@ -49,6 +49,7 @@ def check_op(
     *inputs: object,
     tol: float | None = None,
     prepare: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    errors: list[float] | None = None,
     **options: object,
 ) -> bool:
     """``liger_lab.<name>(*inputs, **options)`` and the gradient of each of its differentiable inputs against
@@ -56,7 +57,8 @@ def check_op(
     the order and under the names of the op's table row (``liger_lab.op_table.OPS``). The inputs the row does not list
     as differentiable (targets, a teacher's logits, RoPE tables) are constants of the call, given to the reference in
     float64 as they are. ``prepare`` turns each checked input into what both calls receive (a layout, a non-leaf).
-    Options the reference does not take (``in_place_backward``, a chunk size) go to liger_lab's call alone."""
+    Options the reference does not take (``in_place_backward``, a chunk size) go to liger_lab's call alone. ``errors``
+    receives every relative error measured."""
     spec = OPS[name]
     ours, theirs = getattr(liger_lab, name), getattr(reference, name)
     parameters = inspect.signature(theirs).parameters
@@ -78,9 +80,14 @@ def check_op(
         return call
 
     return check_against_reference(
-        name, bind(ours, False), bind(theirs, True),
-        [inputs[i] for i in checked], input_names=[spec.input_names[i] for i in checked], tol=tol,
-    )  # fmt: skip
+        name,
+        bind(ours, False),
+        bind(theirs, True),
+        [inputs[i] for i in checked],
+        input_names=[spec.input_names[i] for i in checked],
+        tol=tol,
+        errors=errors,
+    )
 
 
 class LargestNewTensor(TorchDispatchMode):
