@@ -190,10 +190,17 @@ def prepare(
         )
     config.use_cache = False
     return Plan(
-        source, config, weights, batch, seq or runtime.pick(cpu=16, gpu=2048), dtype,
-        steps or runtime.pick(cpu=3, gpu=6), max_batch, Path(json_path) if json_path else None,
+        source,
+        config,
+        weights,
+        batch,
+        seq or runtime.pick(cpu=16, gpu=2048),
+        dtype,
+        steps or runtime.pick(cpu=3, gpu=6),
+        max_batch,
+        Path(json_path) if json_path else None,
         Path(plot_path) if plot_path else None,
-    )  # fmt: skip
+    )
 
 
 def _build(plan: Plan) -> nn.Module:
@@ -281,10 +288,14 @@ def _train(label: str, model: nn.Module, optimizer: torch.optim.Optimizer, token
     step_s, host_s = statistics.median(walls), statistics.median(hosts)
     phase_peaks = {name: round(peaks[name] / GIB, 3) for name in PHASES if name in peaks} or None
     return TrainRun(
-        label, [round(v, 5) for v in torch.stack(losses).float().tolist()],
-        round(tokens.numel() / step_s, 1), round(step_s * 1e3, 3),
-        max(phase_peaks.values()) if phase_peaks else None, phase_peaks, round(host_s * 1e3, 3),
-    )  # fmt: skip
+        label,
+        [round(v, 5) for v in torch.stack(losses).float().tolist()],
+        round(tokens.numel() / step_s, 1),
+        round(step_s * 1e3, 3),
+        max(phase_peaks.values()) if phase_peaks else None,
+        phase_peaks,
+        round(host_s * 1e3, 3),
+    )
 
 
 def _memory_timeline(label: str, model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> dict:
@@ -300,8 +311,12 @@ def _memory_timeline(label: str, model: nn.Module, optimizer: torch.optim.Optimi
         torch.cuda.memory._record_memory_history(enabled=None)
     trace = snapshot["device_traces"][torch.cuda.current_device()]
     times, allocated = downsample_max(*allocated_timeline(trace, start))
-    return {"impl": label, "t_ms": [round(t, 3) for t in times], "allocated_gib": [round(a / GIB, 4)
-            for a in allocated], "live_at_peak": live_at_peak(trace)}  # fmt: skip
+    return {
+        "impl": label,
+        "t_ms": [round(t, 3) for t in times],
+        "allocated_gib": [round(a / GIB, 4) for a in allocated],
+        "live_at_peak": live_at_peak(trace),
+    }
 
 
 def _largest_batch(model: nn.Module, plan: Plan) -> dict[str, Any]:
@@ -489,8 +504,10 @@ def profile_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: tor
             runtime.synchronize()
             wall_ms = (time.perf_counter() - start) * 1e3
     by_category = time_by_category(prof.events(), wall_ms, device=not runtime.INTERPRET)
-    clock = runtime.pick(cpu="CPU time of each operator in Triton's interpreter (host-bound, not GPU figures)",
-                         gpu="GPU time of each operator's kernels")  # fmt: skip
+    clock = runtime.pick(
+        cpu="CPU time of each operator in Triton's interpreter (host-bound, not GPU figures)",
+        gpu="GPU time of each operator's kernels",
+    )
     return StepProfile(round(wall_ms, 3), clock, by_category)
 
 
@@ -557,8 +574,11 @@ def _argument_name(path: tuple, positional: list[str]) -> str:
     """``hidden_states`` for the first positional argument of ``forward(self, hidden_states)`` or a keyword of that
     name; an index follows for a tensor inside a tuple (``position_embeddings[0]``)."""
     _, key, *inner = path  # (args or kwargs, the argument, where in it)
-    name = key.key if isinstance(key, pytree.MappingKey) else (
-        positional[key.idx] if key.idx < len(positional) else f"argument {key.idx}")  # fmt: skip
+    name = (
+        key.key
+        if isinstance(key, pytree.MappingKey)
+        else (positional[key.idx] if key.idx < len(positional) else f"argument {key.idx}")
+    )
     return name + "".join(f"[{getattr(k, 'idx', getattr(k, 'key', '?'))}]" for k in inner)
 
 
@@ -594,8 +614,9 @@ def _unfused_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 def _module_caller(module: nn.Module, call: _Call, params: list[str], dtype: torch.dtype | None = None):
     """``fn(*varying inputs, *params)`` running ``module`` on the recorded call; ``dtype`` casts the recorded
     floating constants (RoPE's cos and sin, a float mask) for a float64 reference."""
-    leaves = [v.to(dtype) if dtype and isinstance(v, torch.Tensor) and v.is_floating_point() else v
-              for v in call.leaves]  # fmt: skip
+    leaves = [
+        v.to(dtype) if dtype and isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in call.leaves
+    ]
 
     def fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         values = list(leaves)
@@ -645,10 +666,15 @@ def _check_module(name: str, module: nn.Module, call: _Call, dtype: torch.dtype)
     original = _unfused_copy(module, dtype)
     reference = _unfused_copy(module, torch.float64)
     return _compare(
-        name, type(original).__name__, _module_caller(module, call, params),
-        _module_caller(original, call, params), _module_caller(reference, call, params, torch.float64),
-        inputs, call.names + params, dtype,
-    )  # fmt: skip
+        name,
+        type(original).__name__,
+        _module_caller(module, call, params),
+        _module_caller(original, call, params),
+        _module_caller(reference, call, params, torch.float64),
+        inputs,
+        call.names + params,
+        dtype,
+    )
 
 
 class _Replay(nn.Module):
@@ -685,8 +711,16 @@ def _check_loss(model: nn.Module, output: Any, tokens: torch.Tensor, dtype: torc
     original_base = getattr(model, base)
     setattr(model, base, replay)
     try:
-        return _compare("loss", "lm_head + cross-entropy", caller(True), caller(False), caller(False), inputs,
-                        ["hidden_states"] + params, dtype)  # fmt: skip
+        return _compare(
+            "loss",
+            "lm_head + cross-entropy",
+            caller(True),
+            caller(False),
+            caller(False),
+            inputs,
+            ["hidden_states"] + params,
+            dtype,
+        )
     finally:
         setattr(model, base, original_base)
 
@@ -779,15 +813,27 @@ class DoctorResult:
     def verdict(self) -> list[tuple[str, str, str]]:
         """(what, PASS/FAIL or "", figures) rows of the verdict table."""
         host = " (CPU interpreter wall clock: not GPU speed)" if self.unpatched.peak_gib is None else ""
-        rows = [("speed", "", f"{self.gain:.2f}x tokens/s: {self.patched.tokens_per_s:,.1f} against "
-                 f"{self.unpatched.tokens_per_s:,.1f}{host}")]  # fmt: skip
+        rows = [
+            (
+                "speed",
+                "",
+                f"{self.gain:.2f}x tokens/s: {self.patched.tokens_per_s:,.1f} against "
+                f"{self.unpatched.tokens_per_s:,.1f}{host}",
+            )
+        ]
         if self.unpatched.peak_gib is None:
             rows.append(("peak memory", "", "not measured: no CUDA memory on CPU"))
         else:
             saved = self.unpatched.peak_gib - self.patched.peak_gib
-            rows.append(("peak memory", "", f"{saved:.2f} GiB saved: {self.patched.peak_gib:.2f} GiB (in the "
-                         f"{self.patched.peak_phase}) against {self.unpatched.peak_gib:.2f} (in the "
-                         f"{self.unpatched.peak_phase})"))  # fmt: skip
+            rows.append(
+                (
+                    "peak memory",
+                    "",
+                    f"{saved:.2f} GiB saved: {self.patched.peak_gib:.2f} GiB (in the "
+                    f"{self.patched.peak_phase}) against {self.unpatched.peak_gib:.2f} (in the "
+                    f"{self.unpatched.peak_phase})",
+                )
+            )
         failed = [c for c in self.checks if c.status != "PASS"]
         figures = f"{len(self.checks) - len(failed)} of {len(self.checks)} passed"
         measured = [c for c in self.checks if c.rel_error is not None]
@@ -818,21 +864,43 @@ class DoctorResult:
         return {**self.environment, **data, "verdict": verdict, "ok": self.ok}
 
     def __str__(self) -> str:
-        return "\n\n".join([
-            format_header(self.model, self.model_type, self.parameters, self.weights, self.batch, self.seq,
-                          self.dtype, self.steps),
-            format_profile(self.profile, self.unpatched), format_patch(self.patch),
-            format_checks(self.checks, self.dtype),
-            format_training(self.unpatched, self.patched, self.profile, self.patched_profile, self.losses,
-                            self.fallbacks, self.timer),
-            format_verdict(self),
-        ])  # fmt: skip
+        return "\n\n".join(
+            [
+                format_header(
+                    self.model,
+                    self.model_type,
+                    self.parameters,
+                    self.weights,
+                    self.batch,
+                    self.seq,
+                    self.dtype,
+                    self.steps,
+                ),
+                format_profile(self.profile, self.unpatched),
+                format_patch(self.patch),
+                format_checks(self.checks, self.dtype),
+                format_training(
+                    self.unpatched,
+                    self.patched,
+                    self.profile,
+                    self.patched_profile,
+                    self.losses,
+                    self.fallbacks,
+                    self.timer,
+                ),
+                format_verdict(self),
+            ]
+        )
 
 
-def format_header(model: str, model_type: str, parameters: int, weights: str, batch: int, seq: int, dtype: str,
-                  steps: int) -> str:  # fmt: skip
-    lines = [f"liger-lab doctor {model}: {model_type}, {parameters / 1e6:,.2f}M parameters, {weights}; batch "
-             f"{batch} x seq {seq}, {dtype}, {steps} steps per model", runtime.describe()]  # fmt: skip
+def format_header(
+    model: str, model_type: str, parameters: int, weights: str, batch: int, seq: int, dtype: str, steps: int
+) -> str:
+    lines = [
+        f"liger-lab doctor {model}: {model_type}, {parameters / 1e6:,.2f}M parameters, {weights}; batch "
+        f"{batch} x seq {seq}, {dtype}, {steps} steps per model",
+        runtime.describe(),
+    ]
     if runtime.INTERPRET:
         lines.append("Every time below is host-bound wall clock of Triton's interpreter on CPU, not a GPU figure.")
     return "\n".join(lines)
@@ -847,11 +915,16 @@ def _category_table(profiles: dict[str, StepProfile]) -> list[str]:
 
 
 def format_profile(prof: StepProfile, run: TrainRun) -> str:
-    lines = [f"[1/{STAGES}] the unpatched training step: {run.step_ms:.1f} ms ({prof.wall_ms:.1f} ms under the "
-             f"profiler); by category, {prof.clock}:", *_category_table({"unpatched": prof})]  # fmt: skip
+    lines = [
+        f"[1/{STAGES}] the unpatched training step: {run.step_ms:.1f} ms ({prof.wall_ms:.1f} ms under the "
+        f"profiler); by category, {prof.clock}:",
+        *_category_table({"unpatched": prof}),
+    ]
     shares = ", ".join(f"{c} {prof.share(c):.1%}" for c in REPLACEABLE)
-    lines.append(f"  ops patch replaces: {shares}; {prof.replaceable_share:.1%} of the step, so at most "
-                 f"{prof.bound:.2f}x faster if they took no time")  # fmt: skip
+    lines.append(
+        f"  ops patch replaces: {shares}; {prof.replaceable_share:.1%} of the step, so at most "
+        f"{prof.bound:.2f}x faster if they took no time"
+    )
     return "\n".join([*lines, "  " + _phases(run)])
 
 
@@ -872,15 +945,19 @@ def format_checks(results: Sequence[ModuleCheck], dtype: str) -> str:
 
     module, kind = width([c.module for c in results], 8), width([c.kind for c in results], 6)
     shape, worst = width([c.shape for c in results], 7), width([c.worst[:40] for c in results], 18)
-    lines = [f"[3/{STAGES}] each replaced module against transformers' in float64, on its inputs of one forward "
-             f"({dtype}; errors are relative L2)",
-             f"  {'module':<{module}}{'kind':<{kind}}{'input':<{shape}}{'largest error of':<{worst}}{'liger_lab':>10}"
-             f"{'transformers':>13}{'tol':>7}  result"]  # fmt: skip
+    lines = [
+        f"[3/{STAGES}] each replaced module against transformers' in float64, on its inputs of one forward "
+        f"({dtype}; errors are relative L2)",
+        f"  {'module':<{module}}{'kind':<{kind}}{'input':<{shape}}{'largest error of':<{worst}}{'liger_lab':>10}"
+        f"{'transformers':>13}{'tol':>7}  result",
+    ]
     for c in results:
         ours = "" if c.rel_error is None else f"{c.rel_error:.1e}"
         theirs = "" if c.original_rel_error is None else f"{c.original_rel_error:.1e}"
-        lines.append(f"  {c.module:<{module}}{c.kind:<{kind}}{c.shape:<{shape}}{c.worst[:40]:<{worst}}{ours:>10}"
-                     f"{theirs:>13}{c.tol:>7.0e}  {c.status}")  # fmt: skip
+        lines.append(
+            f"  {c.module:<{module}}{c.kind:<{kind}}{c.shape:<{shape}}{c.worst[:40]:<{worst}}{ours:>10}"
+            f"{theirs:>13}{c.tol:>7.0e}  {c.status}"
+        )
     for c in results:
         if c.status != "PASS":
             lines.append(f"  {c.module}:\n" + "\n".join("    " + line for line in c.detail.splitlines()))
@@ -964,8 +1041,11 @@ def run(plan: Plan, progress: Callable[[str], None] | None = print) -> DoctorRes
     weights = f"weights from {plan.weights}" if plan.weights else "random weights from its config"
     model = _build(plan)
     parameters = sum(p.numel() for p in model.parameters())
-    say(format_header(str(plan.source), plan.config.model_type, parameters, weights, plan.batch, plan.seq, dtype,
-                      plan.steps))  # fmt: skip
+    say(
+        format_header(
+            str(plan.source), plan.config.model_type, parameters, weights, plan.batch, plan.seq, dtype, plan.steps
+        )
+    )
     say(f"\ntraining the unpatched model {plan.steps} steps, then profiling one ...")
     optimizer = make_optimizer(model, LR)
     unpatched = _train("unpatched", model, optimizer, tokens, plan.steps)
@@ -1005,10 +1085,28 @@ def run(plan: Plan, progress: Callable[[str], None] | None = print) -> DoctorRes
         largest = {"unpatched": _largest_batch(model, plan), "patched": patched_fit}
     liger_lab.unpatch(model)  # lets go of transformers' RoPE function now, not when a collection finds the model
     result = DoctorResult(
-        str(plan.source), plan.config.model_type, parameters, weights, dtype, plan.batch, plan.seq, plan.steps,
-        runtime.describe(), timer_label(), step_profile, report, module_checks, unpatched, patched, losses,
-        fallbacks, patched_profile, largest, timelines, training.environment(),
-    )  # fmt: skip
+        str(plan.source),
+        plan.config.model_type,
+        parameters,
+        weights,
+        dtype,
+        plan.batch,
+        plan.seq,
+        plan.steps,
+        runtime.describe(),
+        timer_label(),
+        step_profile,
+        report,
+        module_checks,
+        unpatched,
+        patched,
+        losses,
+        fallbacks,
+        patched_profile,
+        largest,
+        timelines,
+        training.environment(),
+    )
     say("\n" + format_verdict(result))
     _write(result, plan, say)
     return result
@@ -1045,8 +1143,16 @@ def doctor(
     to it that each model trains; ``json_path`` writes :meth:`DoctorResult.as_dict`, ``plot_path`` the two memory
     timelines (GPU). Bad arguments raise ``ValueError`` before anything runs (:func:`prepare`). The result's
     ``ok`` is False when a module check failed or the loss curves disagree."""
-    plan = prepare(model, batch=batch, seq=seq, dtype=dtype, steps=steps, max_batch=max_batch,
-                   json_path=json_path, plot_path=plot_path)  # fmt: skip
+    plan = prepare(
+        model,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        steps=steps,
+        max_batch=max_batch,
+        json_path=json_path,
+        plot_path=plot_path,
+    )
     return run(plan, progress)
 
 

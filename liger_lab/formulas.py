@@ -91,8 +91,17 @@ class PreferenceOptions:
 
     def arguments(self) -> tuple[str, str, float, float, float, float, float, float, float]:
         """The fields in the operator's order (spelled out: ``dataclasses.astuple`` would break a compiled graph)."""
-        return (self.loss, self.loss_type, self.beta, self.gamma, self.label_smoothing, self.alpha, self.nll_weight,
-                self.desirable_weight, self.undesirable_weight)  # fmt: skip
+        return (
+            self.loss,
+            self.loss_type,
+            self.beta,
+            self.gamma,
+            self.label_smoothing,
+            self.alpha,
+            self.nll_weight,
+            self.desirable_weight,
+            self.undesirable_weight,
+        )
 
 
 def averages(o: PreferenceOptions) -> bool:
@@ -157,10 +166,12 @@ def kto_options(beta: float, loss_type: str, desirable_weight: float, undesirabl
     """KTO's options as TRL 1.16's ``KTOConfig`` takes them, validated."""
     loss_type = check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
     return PreferenceOptions(
-        "kto", loss_type, check_number("beta", beta, low=0),
+        "kto",
+        loss_type,
+        check_number("beta", beta, low=0),
         desirable_weight=check_number("desirable_weight", desirable_weight, low=0),
         undesirable_weight=check_number("undesirable_weight", undesirable_weight, low=0),
-    )  # fmt: skip
+    )
 
 
 def kl_estimate(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
@@ -194,18 +205,24 @@ class GRPOOptions:
 
     @classmethod
     def checked(
-        cls, loss_type: str, level: str, beta: float, epsilon_low: float, epsilon_high: float | None,
+        cls,
+        loss_type: str,
+        level: str,  # GRPOConfig's importance_sampling_level
+        beta: float,
+        epsilon_low: float,
+        epsilon_high: float | None,  # None: epsilon_low, as in TRL
         delta: float | None,
-    ) -> GRPOOptions:  # fmt: skip
+    ) -> GRPOOptions:
         """Validated (ValueError naming the option), ``epsilon_high`` defaulting to ``epsilon_low`` as in TRL."""
         epsilon_low = check_number("epsilon_low", epsilon_low, low=0.0)
         return cls(
             check_choice("loss_type", loss_type, LOSS_TYPES),
             check_choice("importance_sampling_level", level, IMPORTANCE_SAMPLING_LEVELS),
-            check_number("beta", beta, low=0.0), epsilon_low,
+            check_number("beta", beta, low=0.0),
+            epsilon_low,
             epsilon_low if epsilon_high is None else check_number("epsilon_high", epsilon_high, low=0.0),
             None if delta is None else check_number("delta", delta, positive=True),
-        )  # fmt: skip
+        )
 
     def arguments(self) -> tuple[str, str, float, float, float, float | None]:
         """The fields in the operator's order (spelled out: ``dataclasses.astuple`` would break a compiled graph)."""
@@ -231,9 +248,12 @@ class TRLOptions:
 
     @classmethod
     def checked(
-        cls, *, use_bias_correction_kl: bool = False, off_policy_mask_threshold: float | None = None,
-        **numbers: float,
-    ) -> TRLOptions:  # fmt: skip
+        cls,
+        *,
+        use_bias_correction_kl: bool = False,
+        off_policy_mask_threshold: float | None = None,  # needs old_logps
+        **numbers: float,  # every other field, each a finite number
+    ) -> TRLOptions:
         """Validated (ValueError naming the option); an option not given takes its default. (No ``dataclasses``
         introspection here: torch.compile traces this.)"""
         if not isinstance(use_bias_correction_kl, bool):
@@ -246,16 +266,21 @@ class TRLOptions:
                 raise ValueError(f"{name} is 0: expected a nonzero temperature")
         if off_policy_mask_threshold is not None:
             off_policy_mask_threshold = check_number("off_policy_mask_threshold", off_policy_mask_threshold)
-        return cls(use_bias_correction_kl=use_bias_correction_kl, off_policy_mask_threshold=off_policy_mask_threshold,
-                   **checked)  # fmt: skip
+        return cls(
+            use_bias_correction_kl=use_bias_correction_kl,
+            off_policy_mask_threshold=off_policy_mask_threshold,
+            **checked,
+        )
 
     @property
     def fused(self) -> bool:
         """Whether the fused loss serves these options (each at its neutral value)."""
         return (
-            not self.use_bias_correction_kl and self.entropy_coef == 0 and self.top_entropy_quantile == 1
+            not self.use_bias_correction_kl
+            and self.entropy_coef == 0
+            and self.top_entropy_quantile == 1
             and self.off_policy_mask_threshold is None
-        )  # fmt: skip
+        )
 
     @property
     def needs_entropy(self) -> bool:

@@ -49,22 +49,28 @@ def check_op(
     *inputs: object,
     tol: float | None = None,
     prepare: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    errors: list[float] | None = None,
     **options: object,
 ) -> bool:
     """``liger_lab.<name>(*inputs, **options)`` and the gradient of each of its differentiable inputs against
     ``liger_lab.reference.<name>`` in float64 (:func:`liger_lab.workbook.checks.check_against_reference`), the inputs in
     the order and under the names of the op's table row (``liger_lab.op_table.OPS``). The inputs the row does not list
     as differentiable (targets, a teacher's logits, RoPE tables) are constants of the call, given to the reference in
-    float64 as they are. ``prepare`` turns each checked input into what both calls receive (a layout, a non-leaf).
-    Options the reference does not take (``in_place_backward``, a chunk size) go to liger_lab's call alone."""
+    float64 as they are; inputs after the row's (a bias) are checked too, named as the reference names them.
+    ``prepare`` turns each checked input into what both calls receive (a layout, a non-leaf).
+    Options the reference does not take (``in_place_backward``, a chunk size) go to liger_lab's call alone. ``errors``
+    receives every relative error measured."""
     spec = OPS[name]
     ours, theirs = getattr(liger_lab, name), getattr(reference, name)
     parameters = inspect.signature(theirs).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    accepted = {name for name in options if name in parameters or (takes_any and name not in KERNEL_ONLY)}
-    if len(inputs) != len(spec.input_names):
-        raise TypeError(f"{name} takes {spec.input_names}, got {len(inputs)} inputs")
+    accepted = {key for key in options if key in parameters or (takes_any and key not in KERNEL_ONLY)}
+    positional = [p.name for p in parameters.values() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    if not len(spec.input_names) <= len(inputs) <= len(positional):
+        raise TypeError(f"{name} takes {spec.input_names} and then at most {positional[len(spec.input_names) :]}")
+    names = [*spec.input_names, *positional[len(spec.input_names) : len(inputs)]]
     checked = [i for i, input_name in enumerate(spec.input_names) if input_name in spec.differentiable]
+    checked += [i for i in range(len(spec.input_names), len(inputs)) if torch.is_tensor(inputs[i])]
 
     def bind(fn: Callable[..., object], float64: bool) -> Callable[..., object]:
         given = {key: value for key, value in options.items() if not float64 or key in accepted}
@@ -78,9 +84,14 @@ def check_op(
         return call
 
     return check_against_reference(
-        name, bind(ours, False), bind(theirs, True),
-        [inputs[i] for i in checked], input_names=[spec.input_names[i] for i in checked], tol=tol,
-    )  # fmt: skip
+        name,
+        bind(ours, False),
+        bind(theirs, True),
+        [inputs[i] for i in checked],
+        input_names=[names[i] for i in checked],
+        tol=tol,
+        errors=errors,
+    )
 
 
 class LargestNewTensor(TorchDispatchMode):

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LargestNewTensor, non_contiguous, randn
+from helpers import LargestNewTensor, check_op, non_contiguous, randn
 
 import liger_lab
 from liger_lab import reference, runtime
@@ -37,21 +37,6 @@ def heads(n=N, student_size=HS, teacher_size=HT, vocab=V, dtype=torch.float32, s
     ]
 
 
-def _check(tensors, target=None, tol=None, prepare=lambda x: x, errors=None, **kwargs):
-    """Loss and the gradients of the student's hidden states and weight against float64 (the teacher's tensors
-    also require grad here; the reference gives them none, so none is compared)."""
-    options = {k: v for k, v in kwargs.items() if k not in ("chunk_tokens", "accumulation")}
-    return check_against_reference(
-        "fused_linear_jsd",
-        lambda sh, *rest: liger_lab.fused_linear_jsd(prepare(sh), *rest, target, **kwargs),
-        lambda *a: reference.fused_linear_jsd(*a, target, **options),
-        tensors,
-        input_names=NAMES,
-        tol=tol,
-        errors=errors,
-    )
-
-
 def _check_bf16_like_pytorch(tensors, target, **kwargs):
     """bf16 logits carry a relative rounding of 2**-9, and the JSD's gradient (a difference of two nearby
     distributions, with no one-hot term to dominate it as in cross-entropy) passes it on at about 1e-2. So each
@@ -65,7 +50,7 @@ def _check_bf16_like_pytorch(tensors, target, **kwargs):
         lambda *a: reference.fused_linear_jsd(*a, target, **options),
         tensors, input_names=NAMES, tol=1.0, errors=pytorch_errors,
     )  # fmt: skip
-    _check(tensors, target, tol=1.0, errors=our_errors, **kwargs)
+    check_op("fused_linear_jsd", *tensors, target, tol=1.0, errors=our_errors, **kwargs)
     assert len(our_errors) == len(pytorch_errors) == 3  # the loss and two gradients
     for ours, pytorch in zip(our_errors, pytorch_errors, strict=True):
         assert ours <= max(1e-2, 2 * pytorch), (our_errors, pytorch_errors)
@@ -74,7 +59,7 @@ def _check_bf16_like_pytorch(tensors, target, **kwargs):
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 @pytest.mark.parametrize("beta", BETAS)
 def test_matches_float64_over_chunks_that_do_not_divide_the_rows(beta, temperature):
-    assert _check(heads(), targets((N,)), chunk_tokens=CHUNK, beta=beta, temperature=temperature)
+    assert check_op("fused_linear_jsd", *heads(), targets((N,)), chunk_tokens=CHUNK, beta=beta, temperature=temperature)
 
 
 def test_same_loss_as_jsd_of_the_two_products():
@@ -89,27 +74,27 @@ def test_same_loss_as_jsd_of_the_two_products():
 
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 64, None])
 def test_any_chunk_size_gives_the_same_result(chunk_tokens):
-    assert _check(heads(n=12), targets((12,)), chunk_tokens=chunk_tokens, beta=0.25)
+    assert check_op("fused_linear_jsd", *heads(n=12), targets((12,)), chunk_tokens=chunk_tokens, beta=0.25)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.25, 1.0])
 def test_vocabulary_of_several_blocks(beta):
     """20001 columns: more than one vocabulary block of the row kernel, in the interpreter and on the GPU."""
     tensors = heads(n=9, vocab=20001)
-    assert _check(tensors, targets((9,)), chunk_tokens=4, beta=beta, temperature=0.5)
+    assert check_op("fused_linear_jsd", *tensors, targets((9,)), chunk_tokens=4, beta=beta, temperature=0.5)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_3d_inputs_with_a_sequence_entirely_ignored(beta):
     target = targets((3, 9), ignored_every=4)
     target[1] = -100  # a whole sequence of padding
-    assert _check(heads(lead=(3, 9)), target, chunk_tokens=CHUNK, beta=beta, temperature=0.5)
+    assert check_op("fused_linear_jsd", *heads(lead=(3, 9)), target, chunk_tokens=CHUNK, beta=beta, temperature=0.5)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.25, 1.0])
 def test_without_target_every_row_counts(beta):
     tensors = heads(lead=(2, 7))
-    assert _check(tensors, None, chunk_tokens=5, beta=beta, temperature=2.0)
+    assert check_op("fused_linear_jsd", *tensors, None, chunk_tokens=5, beta=beta, temperature=2.0)
     keep_all = targets((2, 7), ignored_every=0)
     torch.testing.assert_close(
         liger_lab.fused_linear_jsd(*tensors, beta=beta), liger_lab.fused_linear_jsd(*tensors, keep_all, beta=beta)
@@ -126,7 +111,7 @@ def test_ignored_rows_have_zero_gradient_and_do_not_count():
     assert (leaf.grad[ignored] == 0).all() and (leaf.grad[~ignored] != 0).any(dim=-1).all()
     kept_only = liger_lab.fused_linear_jsd(sh[~ignored], sw, th[~ignored], tw)
     torch.testing.assert_close(loss, kept_only)
-    assert _check([sh, sw, th, tw], target, ignore_index=7, chunk_tokens=CHUNK)
+    assert check_op("fused_linear_jsd", sh, sw, th, tw, target, ignore_index=7, chunk_tokens=CHUNK)
 
 
 @pytest.mark.parametrize("beta", BETAS)
@@ -145,7 +130,15 @@ def test_all_rows_ignored_gives_zero_loss_and_zero_gradients(beta):
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_fp16(beta, accumulation):
     tensors = heads(dtype=torch.float16)
-    assert _check(tensors, targets((N,)), chunk_tokens=CHUNK, accumulation=accumulation, beta=beta, temperature=2.0)
+    assert check_op(
+        "fused_linear_jsd",
+        *tensors,
+        targets((N,)),
+        chunk_tokens=CHUNK,
+        accumulation=accumulation,
+        beta=beta,
+        temperature=2.0,
+    )
     sh, sw = (t.clone().requires_grad_() for t in tensors[:2])
     loss = liger_lab.fused_linear_jsd(sh, sw, *tensors[2:], accumulation=accumulation)
     loss.backward()
@@ -156,7 +149,9 @@ def test_teacher_in_another_dtype_than_the_student():
     """An fp16 teacher: its logits are rounded to fp16 (about 5e-4 relative), which moves the student's
     gradient by about as much; the float64 reference gets the same fp16 inputs, exactly."""
     sh, sw, th, tw = heads()
-    assert _check([sh, sw, th.half(), tw.half()], targets((N,)), tol=2e-3, chunk_tokens=CHUNK, beta=0.25)
+    assert check_op(
+        "fused_linear_jsd", sh, sw, th.half(), tw.half(), targets((N,)), tol=2e-3, chunk_tokens=CHUNK, beta=0.25
+    )
 
 
 @pytest.mark.parametrize("scale", [8.0, 5e3])
@@ -164,13 +159,22 @@ def test_teacher_in_another_dtype_than_the_student():
 def test_huge_logits_stay_finite_and_exact(beta, scale):
     """Logits of about 16 (over T = 0.5, some pass 88, where exp overflows fp32 without the max shift) and of
     about 1e4 (both softmaxes one-hot: the reverse KL's and the mixture's gradients are the zeros they are)."""
-    assert _check(heads(scale=scale), targets((N,)), chunk_tokens=CHUNK, beta=beta, temperature=0.5)
+    assert check_op(
+        "fused_linear_jsd", *heads(scale=scale), targets((N,)), chunk_tokens=CHUNK, beta=beta, temperature=0.5
+    )
 
 
 def test_non_contiguous_student_hidden():
     tensors = heads()
     assert not non_contiguous(tensors[0]).is_contiguous()
-    assert _check(tensors, targets((N,)), prepare=non_contiguous, chunk_tokens=CHUNK, beta=0.5)
+    assert check_op(
+        "fused_linear_jsd",
+        *tensors,
+        targets((N,)),
+        prepare=lambda t: non_contiguous(t) if t.shape[0] == N else t,
+        chunk_tokens=CHUNK,
+        beta=0.5,
+    )
 
 
 def test_teacher_gets_no_gradient():
@@ -352,8 +356,10 @@ def test_bf16_128k_vocabulary(beta, temperature):
 @pytest.mark.cuda
 def test_bf16_3d_default_chunks_and_fp16():
     tensors = heads(student_size=512, teacher_size=768, vocab=50257, dtype=torch.bfloat16, lead=(4, 700))
-    assert _check(tensors, targets((4, 700)), beta=0.25, temperature=2.0)
-    assert _check(heads(n=300, vocab=32000, dtype=torch.float16), None, chunk_tokens=128, beta=1.0)
+    assert check_op("fused_linear_jsd", *tensors, targets((4, 700)), beta=0.25, temperature=2.0)
+    assert check_op(
+        "fused_linear_jsd", *heads(n=300, vocab=32000, dtype=torch.float16), None, chunk_tokens=128, beta=1.0
+    )
 
 
 @pytest.mark.cuda

@@ -4,13 +4,12 @@ opcheck and torch.compile with dynamic shapes."""
 import pytest
 import torch
 import torch._dynamo.testing
-from helpers import LargestNewTensor, randn, row_strided
+from helpers import LargestNewTensor, check_op, randn, row_strided
 from test_compile_dynamic import CompileCounter
 
 import liger_lab
 from liger_lab import reference, runtime
 from liger_lab.ops import logprobs
-from liger_lab.workbook.checks import check_against_reference
 
 B, T, H, V = 2, 7, 16, 40
 
@@ -19,23 +18,6 @@ def targets(shape=(B, T), vocab=V, ignore_index=-100):
     t = torch.randint(0, vocab, shape, device=runtime.DEVICE)
     t.view(-1)[::4] = ignore_index
     return t
-
-
-def check(hidden, weight, target, bias=None, tol=None, **options):
-    """Every output and the gradients of hidden, weight (and bias) against float64, random upstream gradients on
-    each output."""
-    ref_options = {k: v for k, v in options.items() if k not in ("chunk_tokens", "accumulation")}
-    tensors, names = [hidden, weight], ["hidden", "weight"]
-    if bias is not None:
-        tensors, names = [*tensors, bias], [*names, "bias"]
-    return check_against_reference(
-        "fused_linear_logprobs",
-        lambda h, w, *b: liger_lab.fused_linear_logprobs(h, w, target, *b, **options),
-        lambda h, w, *b: reference.fused_linear_logprobs(h, w, target, *b, **ref_options),
-        tensors,
-        input_names=names,
-        tol=tol,
-    )
 
 
 @pytest.mark.parametrize(
@@ -51,7 +33,7 @@ def test_matches_float64(options):
     options = dict(options)
     bias = randn(V, scale=0.5) if options.pop("bias", False) else None
     target = targets(ignore_index=options.get("ignore_index", -100))
-    assert check(randn(B, T, H), randn(V, H, scale=2 * H**-0.5), target, bias, **options)
+    assert check_op("fused_linear_logprobs", randn(B, T, H), randn(V, H, scale=2 * H**-0.5), target, bias, **options)
 
 
 def test_vocabulary_over_blocks_with_the_max_in_a_later_block():
@@ -62,14 +44,23 @@ def test_vocabulary_over_blocks_with_the_max_in_a_later_block():
     bias[16384:] = 4.0
     target = targets((5,), vocab)
     target[1] = vocab - 1
-    assert check(randn(5, 8), randn(vocab, 8, scale=0.5), target, bias, entropy=True, temperature=0.8)
+    assert check_op(
+        "fused_linear_logprobs", randn(5, 8), randn(vocab, 8, scale=0.5), target, bias, entropy=True, temperature=0.8
+    )
 
 
 def test_huge_logits_and_fp16():
     # Logits in the thousands: logp and H are differences of numbers of order log V, never of the raw logits.
-    assert check(randn(B, T, H, scale=300.0), randn(V, H, scale=H**-0.5), targets(), entropy=True, tol=1e-4)
+    assert check_op(
+        "fused_linear_logprobs",
+        randn(B, T, H, scale=300.0),
+        randn(V, H, scale=H**-0.5),
+        targets(),
+        entropy=True,
+        tol=1e-4,
+    )
     hidden, weight = randn(B, T, H, dtype=torch.float16), randn(V, H, dtype=torch.float16, scale=2 * H**-0.5)
-    assert check(hidden, weight, targets(), entropy=True, chunk_tokens=8)
+    assert check_op("fused_linear_logprobs", hidden, weight, targets(), entropy=True, chunk_tokens=8)
 
 
 def test_a_near_certain_row_keeps_the_digits_of_its_entropy():
@@ -79,7 +70,9 @@ def test_a_near_certain_row_keeps_the_digits_of_its_entropy():
     bias[3] = 25.0
     target = targets((12,))
     target[::2] = 3
-    assert check(randn(12, H, scale=0.1), randn(V, H, scale=0.1), target, bias, entropy=True)
+    assert check_op(
+        "fused_linear_logprobs", randn(12, H, scale=0.1), randn(V, H, scale=0.1), target, bias, entropy=True
+    )
 
 
 def test_only_one_output_used_and_strided_hidden():
@@ -231,7 +224,7 @@ def test_chunk_budget():
 def test_bf16_128k_vocabulary(entropy):
     hidden = randn(300, 256, dtype=torch.bfloat16)
     weight = randn(128256, 256, dtype=torch.bfloat16, scale=256**-0.5)
-    assert check(hidden, weight, targets((300,), 128256), entropy=entropy, chunk_tokens=128)
+    assert check_op("fused_linear_logprobs", hidden, weight, targets((300,), 128256), entropy=entropy, chunk_tokens=128)
 
 
 HEAD_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
