@@ -16,8 +16,8 @@ stepping on the whole batch. Two kinds of run:
   point of the step (a shard, or the full weight);
 * ``head_losses``: functions ``loss(head, hidden, target)`` from the hidden states to the loss, each run by a small
   model whose ``lm_head`` (with a bias) is an FSDP2 unit of its own. They travel to the processes as source (a function
-  defined in a notebook cannot be pickled), and may use ``torch``, ``liger_lab``, ``hf`` (``liger_lab.hf``;
-  ``patching``, its old name, for a function written against it) and ``DTensor``. Each is first run here, on the model
+  defined in a notebook cannot be pickled), and may use ``torch``, ``liger_lab``, ``hf`` (``liger_lab.hf``) and
+  ``DTensor``. Each is first run here, on the model
   unsharded, so a function that fails does so with its traceback in this process.
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import inspect
 import json
 import os
@@ -341,8 +340,6 @@ def _load_function(name: str, source: str) -> Callable:
     from torch.distributed.tensor import DTensor
 
     namespace = {"torch": torch, "liger_lab": liger_lab, "hf": hf, "DTensor": DTensor}
-    if "patching" in source:  # a function written against the old name of liger_lab.hf
-        namespace["patching"] = importlib.import_module("liger_lab.patching")
     exec(compile(source, f"<{name}>", "exec"), namespace)  # the source of a function the caller wrote
     return namespace[name]
 

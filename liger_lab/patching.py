@@ -43,6 +43,8 @@ _RENAMED = {
     "_hold": "hold",
     "_original": "original_of",
     "_release": "release",
+    "_as_forward_of": "as_forward_of",
+    "_is_fsdp_unit": "is_fsdp_unit",
 }
 """Names of the pre-split module that are public in :mod:`liger_lab.hf` now, under the name they have there."""
 

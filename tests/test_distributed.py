@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("transformers")
 
 import liger_lab  # noqa: E402
-from liger_lab import distributed, patching, runtime  # noqa: E402
+from liger_lab import distributed, hf, runtime  # noqa: E402
 
 on_cpu = pytest.mark.skipif(not runtime.INTERPRET, reason="the gloo tests run on CPU; GPUs use NCCL")
 on_two_gpus = pytest.mark.skipif(
@@ -97,14 +97,14 @@ def _fused_head_loss(head, hidden, target):
     def loss_of(h):
         return liger_lab.fused_linear_cross_entropy(h, head.weight, target, head.bias)
 
-    return patching._as_forward_of(head, loss_of, hidden)
+    return hf.loss.as_forward_of(head, loss_of, hidden)
 
 
 def _bias_dropped(head, hidden, target):
     def loss_of(h):
         return liger_lab.fused_linear_cross_entropy(h, head.weight, target)
 
-    return patching._as_forward_of(head, loss_of, hidden)
+    return hf.loss.as_forward_of(head, loss_of, hidden)
 
 
 def _unfused(head, hidden, target):

@@ -8,6 +8,7 @@ kept for old imports and pickles only: nothing in the repository imports them.
 
 import ast
 import importlib
+import json
 import pathlib
 
 import pytest
@@ -60,11 +61,20 @@ def resolve(name: str) -> str:
     return name
 
 
+def source_of(path: pathlib.Path) -> str:
+    """A Python file's text, or a notebook's code cells joined (IPython's ``%`` and ``!`` lines left out)."""
+    if path.suffix != ".ipynb":
+        return path.read_text()
+    cells = [cell["source"] for cell in json.loads(path.read_text())["cells"] if cell["cell_type"] == "code"]
+    lines = ("".join(cell) if isinstance(cell, list) else cell for cell in cells)
+    return "\n".join(line for text in lines for line in text.splitlines() if not line.lstrip().startswith(("%", "!")))
+
+
 def imports(path: pathlib.Path, package: str | None = None) -> set[str]:
     """The modules of liger_lab that a file imports. ``from liger_lab.hf import api`` imports ``liger_lab.hf.api``,
     ``from liger_lab import patch`` the root (``patch`` is a name of its ``__init__``)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source_of(path))):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names if alias.name.partition(".")[0] == "liger_lab"}
         elif isinstance(node, ast.ImportFrom):
@@ -173,12 +183,14 @@ def test_the_hf_files_import_only_those_below():
 
 
 def repository_files() -> list[pathlib.Path]:
-    return [
+    """The repository's Python files (the aliases themselves aside) and the solution notebooks."""
+    files = [
         path
         for folder in ("liger_lab", "tests", "benchmarks", "scripts")
         for path in sorted((ROOT / folder).rglob("*.py"))
         if module_name(path) not in ALIASES
     ]
+    return files + sorted((ROOT / "solutions").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", repository_files(), ids=lambda path: str(path.relative_to(ROOT)))

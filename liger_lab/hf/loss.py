@@ -16,7 +16,7 @@ The fused loss reads the ``lm_head``'s weight and bias: an ``nn.Linear``'s, or a
 adapter's term joins the same product (a concatenation of the weight with LoRA's B, see :class:`_LoraTerm`); with its
 adapters disabled or merged, the base layer's. Any other head (DoRA or another LoRA variant, several active adapters,
 a quantized layer) gets its logits materialised, with a warning that says why, as does the report. A head that is an
-FSDP2 unit or under accelerate's hooks is read inside its own call (:func:`_as_forward_of`), so the hooks gather,
+FSDP2 unit or under accelerate's hooks is read inside its own call (:func:`as_forward_of`), so the hooks gather,
 load or move what the loss reads.
 
 ``patch(model_type)`` wraps the family's ``...ForCausalLM.forward``; ``patch(model)`` gives the model a forward of its
@@ -261,7 +261,7 @@ def _loss_forward(
                 ),
             )
 
-        loss = _as_forward_of(head, fused_loss, hidden)
+        loss = as_forward_of(head, fused_loss, hidden)
     else:
         logits = head(kept)
         if softcap is not None:
@@ -388,7 +388,7 @@ def fused_head(head: nn.Module) -> _Head | str:
 # Inside the head's call: FSDP2 and accelerate's hooks.
 
 
-def _is_fsdp_unit(module: nn.Module) -> bool:
+def is_fsdp_unit(module: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch built without distributed support
@@ -410,7 +410,7 @@ def forward_slot(module: nn.Module) -> str:
     return "_old_forward" if _has_accelerate_hook(module) else "forward"
 
 
-def _as_forward_of(module: nn.Module, compute: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
+def as_forward_of(module: nn.Module, compute: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
     """``compute(x)`` run as ``module``'s forward when ``module`` is an FSDP2 unit or wrapped by accelerate's
     hooks, else directly.
 
@@ -423,7 +423,7 @@ def _as_forward_of(module: nn.Module, compute: Callable[[torch.Tensor], torch.Te
     run around it as around the matmul they expected (casting ``x`` too, under a mixed-precision policy). Then the
     instance gets back exactly what it held. Any other module is not touched: a hook of its own (one that logs the
     logits, say) expects logits, not a loss, so it does not run, as when the fused loss reads the weight directly."""
-    if not (_is_fsdp_unit(module) or _has_accelerate_hook(module)):
+    if not (is_fsdp_unit(module) or _has_accelerate_hook(module)):
         return compute(x)
     slot = forward_slot(module)
     held = module.__dict__.get(slot)  # accelerate's wrapped forward, or None: the class's forward
