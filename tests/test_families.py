@@ -38,7 +38,7 @@ REPORTS = {
     "qwen3_5_moe_text": ({RMSNORM, MLP, ROPE, "MoE experts (SwiGLU)", LOSS}, {"gated RMSNorm", "router"}),
     "gemma4_text": ({RMSNORM, MLP, "MoE experts (GeGLU)", LOSS}, {"RoPE", "RMSNorm without weight", "router"}),
     "gpt_oss": ({RMSNORM, ROPE, LOSS}, {"experts", "router", "MLP"}),
-    "llama4_text": ({RMSNORM, MLP, LOSS}, {"RoPE", "experts", "qk_norm", "router"}),
+    "llama4_text": ({RMSNORM, MLP, ROPE, LOSS}, {"experts", "qk_norm", "router"}),
     "olmo3": ({RMSNORM, MLP, ROPE, LOSS}, set()),
     "ministral3": ({RMSNORM, MLP, ROPE, ADD, LOSS}, set()),
     "deepseek_v3": ({RMSNORM, MLP, ADD, "MoE experts (SwiGLU)", LOSS}, {"RoPE", "router"}),

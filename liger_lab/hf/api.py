@@ -35,7 +35,7 @@ from liger_lab.hf.loss import (
     _is_class_forward,
     _loss_forward_of,
 )
-from liger_lab.hf.modules import _ROPE_FUNCTION, _fused_classes, _gated_kernel, _rope_dispatcher
+from liger_lab.hf.modules import _fused_classes, _gated_kernel, _rope_dispatcher
 from liger_lab.hf.registry import _UNFUSED, _hold, _original, _release
 from liger_lab.ops import fused_linear_cross_entropy as flce_ops
 
@@ -127,7 +127,7 @@ def _patch_family(model_type: str, options: _Options) -> None:
     pieces = _fused_classes(family, modeling, options)
     replacements = [(modeling, name, piece.fused) for name, piece in pieces.items()]
     if options.rope and family.rope:
-        replacements.append((modeling, _ROPE_FUNCTION, _rope_dispatcher(family, modeling)))
+        replacements.append((modeling, family.rope_function, _rope_dispatcher(family, modeling)))
     if options.loss:
         forward = _loss_forward_of(
             model_type, options.fused_linear_cross_entropy, options.cross_entropy, options.loss_chunk_tokens
@@ -210,7 +210,7 @@ def _patch_model(model: nn.Module, options: _Options) -> None:
         if name.rpartition(".")[2] in family.in_place_norms:
             module.in_place_backward = True
     if options.rope and family.rope:
-        _hold(modeling, _ROPE_FUNCTION, _rope_dispatcher(family, modeling), model)
+        _hold(modeling, family.rope_function, _rope_dispatcher(family, modeling), model)
     causal_lm = _causal_lm(model_type)
     # A subclass with its own forward, or a family patched at class level, keeps the forward it has.
     if options.loss and isinstance(model, causal_lm) and type(model).forward is _original(causal_lm, "forward"):
@@ -224,7 +224,7 @@ def _patch_model(model: nn.Module, options: _Options) -> None:
 
 def _unpatch_model(model: nn.Module) -> None:
     model_type = getattr(model.config, "model_type", None)
-    _family(model_type)
+    family = _family(model_type)
     modeling = _modeling(model_type)
     fused_names = {fused.__name__ for fused in _UNFUSED}
     for module in model.modules():
@@ -236,7 +236,7 @@ def _unpatch_model(model: nn.Module) -> None:
         if original is not None:
             _set_class(module, original)
             module.__dict__.pop("in_place_backward", None)
-            _release(modeling, _ROPE_FUNCTION, module)  # held by an unpickled fused attention
+            _release(modeling, family.rope_function, module)  # held by an unpickled fused attention
     for slot in ("forward", "_old_forward"):
         forward = model.__dict__.get(slot)
         if isinstance(forward, _BoundForward) and forward.__self__ is model:
@@ -245,4 +245,4 @@ def _unpatch_model(model: nn.Module) -> None:
     buried = reference() if reference is not None else None
     if buried is not None:  # inside a forward another library set after patch, which still calls it
         buried.active = False
-    _release(modeling, _ROPE_FUNCTION, model)
+    _release(modeling, family.rope_function, model)

@@ -23,7 +23,7 @@ Adding a family is adding a row, keyed by its model type:
   the field): every family an RMSNorm; ``mlp`` a dense gated MLP, ``rope`` an attention whose RoPE is rotate_half's,
   ``add_norm`` a decoder layer written as Llama's, ``experts`` 3-D experts.
 * How they compute, where families differ: ``norm`` (where the RMSNorm rounds), ``act_attr`` (the config attribute
-  naming the activation), ``fused_gate_up``, ``rope_half_tables``, ``in_place_norms``.
+  naming the activation), ``fused_gate_up``, ``rope_half_tables``, ``rope_layout``, ``in_place_norms``.
 * ``left_alone``: what stays transformers' and why, in the report's words.
 
 Then the family gets a tiny config in ``tests/test_patching.py`` (``FAMILY_CONFIG``), and every test that runs over
@@ -72,6 +72,10 @@ class _Family:
     # GPT-OSS's cos and sin hold each of the D/2 angles once, where rotate_half's hold them twice (D columns): the
     # same rotation, which the kernel runs on the tables repeated.
     rope_half_tables: bool = False
+    # How the attention's RoPE pairs features, when ``rope``: "rotate_half" (Llama's apply_rotary_pos_emb, partial
+    # RoPE included), "interleaved" (GLM's: neighbours paired, each pair's angle from the first half of the tables),
+    # "complex" (Llama 4's apply_rotary_emb(xq, xk, freqs_cis), complex pairs of neighbours, q and k (B, T, H, D)).
+    rope_layout: str = "rotate_half"
     module: str | None = None  # the modeling module, when its name is not the model type (gemma3_text)
     # A decoder layer written exactly as Llama's (norm, attention, add, norm, MLP, add): the add before the MLP's
     # norm is fused into it (add_rms_norm).
@@ -91,6 +95,11 @@ class _Family:
     def pieces(self) -> tuple[str, ...]:
         """Class-name suffixes of the pieces this family has fused versions of (kinds of ``_PIECE_KINDS``)."""
         return tuple(suffix for suffix, kind in _PIECE_KINDS.items() if kind.flag is None or getattr(self, kind.flag))
+
+    @property
+    def rope_function(self) -> str:
+        """The modeling module's function that the attention calls to rotate q and k, which patch swaps."""
+        return "apply_rotary_emb" if self.rope_layout == "complex" else "apply_rotary_pos_emb"
 
     def name(self, suffix: str) -> str:
         """The class name of a piece (a suffix of :attr:`pieces`, ``"Experts"`` or ``"ForCausalLM"``)."""
@@ -136,10 +145,7 @@ FAMILIES: dict[str, _Family] = {
     "olmo2": _Family("Olmo2", norm="fp32_weight", in_place_norms=()),
     "granite": _Family("Granite"),  # its logits are divided by config.logits_scaling, in the loss too
     "smollm3": _Family("SmolLM3", add_norm=True),  # some layers skip RoPE: they never call apply_rotary_pos_emb
-    "glm4": _Family(
-        "Glm4", fused_gate_up=True, rope=False,
-        left_alone=(("RoPE", "interleaved pairs, which the fused kernel does not rotate"),),
-    ),
+    "glm4": _Family("Glm4", fused_gate_up=True, rope_layout="interleaved"),
     # Qwen3.5 (the text model): (1 + w) norms, q_norm and k_norm too; partial RoPE on the full-attention layers (its
     # multimodal position tables are plain cos and sin by then). The decoder's add is not fused: add_norm is written
     # for Llama's norm.
@@ -173,9 +179,8 @@ FAMILIES: dict[str, _Family] = {
     # Llama 4 (text): Llama's norm (its eps named eps), SwiGLU MLPs (the dense layers and each MoE layer's shared
     # expert). The decoder layer calls its MLP feed_forward and unpacks the MoE's tuple: no fused add.
     "llama4_text": _Family(
-        "Llama4Text", module="llama4", rope=False, names=(("ForCausalLM", "Llama4ForCausalLM"),),
+        "Llama4Text", module="llama4", rope_layout="complex", names=(("ForCausalLM", "Llama4ForCausalLM"),),
         left_alone=(
-            ("RoPE", "complex multiplication of interleaved pairs (apply_rotary_emb), not rotate_half"),
             ("experts", "every expert runs on every token, its input scaled by the router (batched matmuls): not the "
                         "top-k experts interface of the fused loop"),
             ("qk_norm", "Llama4TextL2Norm has no weight for the kernel to scale by"),
