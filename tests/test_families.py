@@ -28,7 +28,7 @@ from liger_lab.hf.families import _modeling
 transformers = pytest.importorskip("transformers")
 
 NEW_FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "gemma4_text", "gpt_oss", "llama4_text", "olmo3", "ministral3",
-                "deepseek_v3", "glm4_moe"]  # fmt: skip
+                "deepseek_v3", "glm4_moe", "ministral", "exaone4", "hunyuan_v1_dense"]  # fmt: skip
 
 RMSNORM, MLP, ROPE, ADD = "RMSNorm", "gated MLP (SwiGLU/GeGLU)", "attention (RoPE)", "residual add into RMSNorm"
 LOSS = "loss (fused linear cross-entropy)"
@@ -43,6 +43,9 @@ REPORTS = {
     "ministral3": ({RMSNORM, MLP, ROPE, ADD, LOSS}, set()),
     "deepseek_v3": ({RMSNORM, MLP, ADD, "MoE experts (SwiGLU)", LOSS}, {"RoPE", "router"}),
     "glm4_moe": ({RMSNORM, MLP, ROPE, ADD, "MoE experts (SwiGLU)", LOSS}, {"router"}),
+    "ministral": ({RMSNORM, MLP, ROPE, ADD, LOSS}, set()),
+    "exaone4": ({RMSNORM, MLP, ROPE, LOSS}, set()),
+    "hunyuan_v1_dense": ({RMSNORM, MLP, ROPE, ADD, LOSS}, set()),
 }
 
 

@@ -87,6 +87,9 @@ FAMILY_CONFIG = {
     "glm4_moe": {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 24, "use_qk_norm": True, "partial_rotary_factor": 0.5,
                  "experts_implementation": "eager"},
+    "ministral": {"sliding_window": 4},
+    "exaone4": {"num_hidden_layers": 2, "sliding_window": 4, "sliding_window_pattern": 2},  # a sliding layer, a global
+    "hunyuan_v1_dense": {},  # q and k norms
 }  # fmt: skip
 
 

@@ -202,6 +202,13 @@ FAMILIES: dict[str, _Family] = {
     ),
     # GLM-4.5 (MoE): unlike GLM-4, rotate_half RoPE on part of each head; Llama's layer, optional q and k norms.
     "glm4_moe": _Family("Glm4Moe", experts=True, add_norm=True),
+    # Ministral (the first, 8B): Mistral's layer.
+    "ministral": _Family("Ministral", add_norm=True),
+    # EXAONE 4: OLMo 2's layout (norms after attention and after the MLP, each output added to the residual, q and k
+    # norms over head_dim), Llama's norm rounding; sliding and global layers.
+    "exaone4": _Family("Exaone4", in_place_norms=()),
+    # Hunyuan dense: Llama's layer, with q and k norms (query_layernorm, key_layernorm) after RoPE.
+    "hunyuan_v1_dense": _Family("HunYuanDenseV1", add_norm=True),
     # Vision-language models: the language model is fused, the loss runs on the conditional generation's lm_head (the
     # labels shifted, num_items_in_batch and logits_to_keep honoured, as its ForCausalLMLoss does), and the vision
     # tower and the projector stay transformers' but for a norm of the language model's class.
