@@ -90,6 +90,15 @@ FAMILY_CONFIG = {
     "ministral": {"sliding_window": 4},
     "exaone4": {"num_hidden_layers": 2, "sliding_window": 4, "sliding_window_pattern": 2},  # a sliding layer, a global
     "hunyuan_v1_dense": {},  # q and k norms
+    "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2, "experts_implementation": "eager"},
+    "qwen3_next": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+                   "partial_rotary_factor": 0.5, **LINEAR_ATTENTION, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 24, "shared_expert_intermediate_size": 24,
+                   "experts_implementation": "eager"},
+    "deepseek_v2": {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 24, "kv_lora_rank": 16,
+                    "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                    "num_key_value_heads": 4, "experts_implementation": "eager"},
 }  # fmt: skip
 
 

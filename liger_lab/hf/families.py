@@ -74,7 +74,8 @@ class _Family:
     rope_half_tables: bool = False
     # How the attention's RoPE pairs features, when ``rope``: "rotate_half" (Llama's apply_rotary_pos_emb, partial
     # RoPE included), "interleaved" (GLM's: neighbours paired, each pair's angle from the first half of the tables),
-    # "complex" (Llama 4's apply_rotary_emb(xq, xk, freqs_cis), complex pairs of neighbours, q and k (B, T, H, D)).
+    # "complex" (Llama 4's apply_rotary_emb(xq, xk, freqs_cis), complex pairs of neighbours, q and k (B, T, H, D)),
+    # "complex_heads_first" (DeepSeek-V2's apply_rotary_emb: the same on q and k (B, H, T, D)).
     rope_layout: str = "rotate_half"
     module: str | None = None  # the modeling module, when its name is not the model type (gemma3_text)
     # A decoder layer written exactly as Llama's (norm, attention, add, norm, MLP, add): the add before the MLP's
@@ -99,7 +100,7 @@ class _Family:
     @property
     def rope_function(self) -> str:
         """The modeling module's function that the attention calls to rotate q and k, which patch swaps."""
-        return "apply_rotary_emb" if self.rope_layout == "complex" else "apply_rotary_pos_emb"
+        return "apply_rotary_emb" if self.rope_layout.startswith("complex") else "apply_rotary_pos_emb"
 
     def name(self, suffix: str) -> str:
         """The class name of a piece (a suffix of :attr:`pieces`, ``"Experts"`` or ``"ForCausalLM"``)."""
@@ -209,6 +210,14 @@ FAMILIES: dict[str, _Family] = {
     "exaone4": _Family("Exaone4", in_place_norms=()),
     # Hunyuan dense: Llama's layer, with q and k norms (query_layernorm, key_layernorm) after RoPE.
     "hunyuan_v1_dense": _Family("HunYuanDenseV1", add_norm=True),
+    # Hunyuan MoE: Hunyuan dense's layer, every MLP a mixture of 3-D experts beside a shared expert (a gated MLP).
+    "hunyuan_v1_moe": _Family("HunYuanMoEV1", experts=True, add_norm=True),
+    # Qwen3-Next: Qwen3.5-MoE's text model before it, (1 + w) norms, Gated DeltaNet layers ending in a gated norm,
+    # partial RoPE on the full-attention layers, experts beside a gated shared expert.
+    "qwen3_next": _Family("Qwen3Next", norm="gemma", experts=True, left_alone=(_GATED_NORM,)),
+    # DeepSeek-V2: DeepSeek-V3's layer (MLA, shared and routed experts); its MLA RoPE multiplies complex pairs of
+    # neighbours (apply_rotary_emb) on the query heads' rope part and the one shared key head.
+    "deepseek_v2": _Family("DeepseekV2", experts=True, add_norm=True, rope_layout="complex_heads_first"),
     # Vision-language models: the language model is fused, the loss runs on the conditional generation's lm_head (the
     # labels shifted, num_items_in_batch and logits_to_keep honoured, as its ForCausalLMLoss does), and the vision
     # tower and the projector stay transformers' but for a norm of the language model's class.

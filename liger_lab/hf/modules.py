@@ -258,10 +258,21 @@ def _fused_half_table_rotary_pos_emb(
     return _fused_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
+def _fused_complex_heads_first_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's ``apply_rotary_emb``: Llama 4's complex pairs on q and k laid out (B, H, T, D) (MLA's rope parts
+    of the query heads and its one shared key head), ``freqs_cis`` (B, T, D/2)."""
+    cos, sin = partial_rope_ops.tables_from_complex(freqs_cis)
+    q_rot, k_rot = partial_rope_ops.partial_rope(xq, xk, cos, sin, interleaved=True)
+    return q_rot.to(xq.dtype), k_rot.to(xk.dtype)
+
+
 _FUSED_ROPE: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "rotate_half": _fused_rotary_pos_emb,
     "interleaved": _fused_interleaved_rotary_pos_emb,
     "complex": _fused_complex_rotary_emb,
+    "complex_heads_first": _fused_complex_heads_first_rotary_emb,
 }
 
 
