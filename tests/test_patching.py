@@ -90,6 +90,16 @@ FAMILY_CONFIG = {
     "ministral": {"sliding_window": 4},
     "exaone4": {"num_hidden_layers": 2, "sliding_window": 4, "sliding_window_pattern": 2},  # a sliding layer, a global
     "hunyuan_v1_dense": {},  # q and k norms
+    # Top-k routed experts, heavily compressed attention whose compressor fills windows within the test's sequences,
+    # hyper-connections of 2 streams. (The sparse layers' indexer takes no gradient, and a hash-routed layer's router
+    # one of rounding size: the tests compare every gradient.)
+    "deepseek_v4": {"num_hidden_layers": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 24, "q_lora_rank": 16, "head_dim": 16, "num_key_value_heads": 1,
+                    "o_groups": 2, "o_lora_rank": 8,
+                    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4, "sliding_window": 4, "hc_mult": 2,
+                    "hc_sinkhorn_iters": 2, "num_nextn_predict_layers": 0, "experts_implementation": "eager",
+                    "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                    "mlp_layer_types": ["moe", "moe"]},
     "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2, "experts_implementation": "eager"},
     "qwen3_next": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
                    "partial_rotary_factor": 0.5, **LINEAR_ATTENTION, "num_experts": 4, "num_experts_per_tok": 2,

@@ -218,6 +218,19 @@ FAMILIES: dict[str, _Family] = {
     # DeepSeek-V2: DeepSeek-V3's layer (MLA, shared and routed experts); its MLA RoPE multiplies complex pairs of
     # neighbours (apply_rotary_emb) on the query heads' rope part and the one shared key head.
     "deepseek_v2": _Family("DeepseekV2", experts=True, add_norm=True, rope_layout="complex_heads_first"),
+    # DeepSeek-V4: norms with fp32 weights multiplied in fp32 and rounded once (OLMo 2's rounding); everything else
+    # computes otherwise: clamped SwiGLU in the MLP and the experts, RoPE on a trailing slice of one tensor at a time
+    # (and backwards on the attention's output), hyper-connections around each sublayer instead of a residual add.
+    "deepseek_v4": _Family(
+        "DeepseekV4", norm="fp32_weight", mlp=False, rope=False, in_place_norms=(),
+        left_alone=(
+            ("MLP", "clamped SwiGLU, silu(min(gate, limit)) * clamp(up, -limit, limit): not the fused silu(gate) * up"),
+            ("experts", "the same clamped SwiGLU (with transformers' loop or kernels)"),
+            ("RoPE", "applied to one tensor at a time, on the trailing rope slice of each head, and inverted on the "
+                     "attention's output: not the fused kernel's q and k together"),
+            ("unweighted RMSNorm", "the query and hyper-connection norms have no weight for the kernel to scale by"),
+        ),
+    ),
     # Vision-language models: the language model is fused, the loss runs on the conditional generation's lm_head (the
     # labels shifted, num_items_in_batch and logits_to_keep honoured, as its ForCausalLMLoss does), and the vision
     # tower and the projector stay transformers' but for a norm of the language model's class.
