@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 NEW_FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "gemma4_text", "gpt_oss", "llama4_text", "olmo3", "ministral3",
                 "deepseek_v3", "glm4_moe", "ministral", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "qwen3_next",
-                "deepseek_v2", "deepseek_v4"]  # fmt: skip
+                "deepseek_v2", "deepseek_v4", "falcon_h1"]  # fmt: skip
 
 RMSNORM, MLP, ROPE, ADD = "RMSNorm", "gated MLP (SwiGLU/GeGLU)", "attention (RoPE)", "residual add into RMSNorm"
 LOSS = "loss (fused linear cross-entropy)"
@@ -51,6 +51,7 @@ REPORTS = {
     "qwen3_next": ({RMSNORM, MLP, ROPE, "MoE experts (SwiGLU)", LOSS}, {"gated RMSNorm", "router"}),
     "deepseek_v2": ({RMSNORM, MLP, ROPE, ADD, "MoE experts (SwiGLU)", LOSS}, {"router"}),
     "deepseek_v4": ({RMSNORM, LOSS}, {"MLP", "experts", "RoPE", "unweighted RMSNorm", "router"}),
+    "falcon_h1": ({RMSNORM, ROPE, LOSS}, {"MLP", "Mamba mixer"}),
 }
 
 

@@ -100,6 +100,10 @@ FAMILY_CONFIG = {
                     "hc_sinkhorn_iters": 2, "num_nextn_predict_layers": 0, "experts_implementation": "eager",
                     "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
                     "mlp_layer_types": ["moe", "moe"]},
+    # A small Mamba-2 mixer (its gated norm on) beside attention; muP multipliers that differ from 1, the logits' too.
+    "falcon_h1": {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8, "mamba_chunk_size": 4,
+                  "mamba_rms_norm": True, "mlp_multipliers": [1.5, 0.5], "lm_head_multiplier": 0.5,
+                  "key_multiplier": 0.7, "attention_out_multiplier": 0.8, "embedding_multiplier": 1.3},
     "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2, "experts_implementation": "eager"},
     "qwen3_next": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
                    "partial_rotary_factor": 0.5, **LINEAR_ATTENTION, "num_experts": 4, "num_experts_per_tok": 2,

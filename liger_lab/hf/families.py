@@ -231,6 +231,17 @@ FAMILIES: dict[str, _Family] = {
             ("unweighted RMSNorm", "the query and hyper-connection norms have no weight for the kernel to scale by"),
         ),
     ),
+    # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer, muP multipliers throughout (the logits'
+    # lm_head_multiplier is applied in the fused loss too); Llama's norm rounding, rotate_half RoPE.
+    "falcon_h1": _Family(
+        "FalconH1", mlp=False, in_place_norms=(),
+        left_alone=(
+            ("MLP", "down(up(x) * silu(gate(x) * m_gate)) * m_down, muP multipliers inside and after the gated "
+                    "product: not the fused MLP's computation"),
+            ("Mamba mixer", "the Mamba-2 scan and its gated norm (FalconH1RMSNormGated, norm(x * silu(z)) * w): no "
+                            "fused kernel"),
+        ),
+    ),
     # Vision-language models: the language model is fused, the loss runs on the conditional generation's lm_head (the
     # labels shifted, num_items_in_batch and logits_to_keep honoured, as its ForCausalLMLoss does), and the vision
     # tower and the projector stay transformers' but for a norm of the language model's class.

@@ -222,6 +222,9 @@ def _loss_forward(
     logits_scaling = getattr(self.config, "logits_scaling", None)  # Granite: logits = lm_head(h) / scaling
     if logits_scaling is not None and logits_scaling != 1:
         kept, hidden = kept / logits_scaling, hidden / logits_scaling  # the same logits, by linearity
+    multiplier = getattr(self.config, "lm_head_multiplier", None)  # Falcon-H1: logits = lm_head(h) * multiplier
+    if multiplier is not None and multiplier != 1:
+        kept, hidden = kept * multiplier, hidden * multiplier
 
     head, logits = self.lm_head, None
     parts = _fused_head(head) if fused else None
