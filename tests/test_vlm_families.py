@@ -20,7 +20,7 @@ from test_patching import (  # noqa: F401  (fused_calls: a fixture)
     lora_model,
     tiny_model,
 )
-from tiny_vlms import CONFIGS, image_batch, tiny_vlm
+from tiny_vlms import CONFIGS, MIXTURES_OF_EXPERTS, image_batch, tiny_vlm
 
 import liger_lab
 from liger_lab import hf
@@ -42,6 +42,8 @@ REPORTS = {
     "qwen3_vl": {RMSNORM, MLP, ROPE, ADD, LOSS},
     "gemma3": {RMSNORM, MLP, ROPE, LOSS, VISION_RMSNORM},
     "llava": {RMSNORM, MLP, ROPE, ADD, LOSS},
+    "qwen2_vl": {RMSNORM, MLP, ROPE, ADD, LOSS},
+    "qwen3_vl_moe": {RMSNORM, MLP, ROPE, ADD, LOSS, "MoE experts (SwiGLU)"},
 }
 
 
@@ -119,7 +121,8 @@ def test_patch_report_names_the_vision_tower_and_projector_left_alone(model_type
     model = liger_lab.patch(tiny_vlm(model_type))
     report = liger_lab.patch_report(model)
     assert set(report.replaced) == REPORTS[model_type]
-    assert set(report.left_alone) == {"vision tower", "projector"} and all(report.left_alone.values())
+    router = {"router"} if model_type in MIXTURES_OF_EXPERTS else set()
+    assert set(report.left_alone) == {"vision tower", "projector", *router} and all(report.left_alone.values())
     assert "vision tower" in str(report)
     vision_side = [module for name, module in model.named_modules() if name.startswith("model.") and
                    not name.startswith("model.language_model")]  # fmt: skip
@@ -128,7 +131,7 @@ def test_patch_report_names_the_vision_tower_and_projector_left_alone(model_type
     assert report.replaced.get(VISION_RMSNORM, 0) == len([m for m in vision_side if type(m).__name__ in fused])
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen3_vl_moe"])
 def test_multimodal_rope_of_the_text_layers_runs_the_fused_rope(monkeypatch, model_type):
     """transformers picks each feature pair's position stream (temporal, height, width) once per forward and hands
     every text attention layer (B, T, D) tables for the module's plain apply_rotary_pos_emb: the fused rope runs in

@@ -55,6 +55,24 @@ def _qwen3_vl(text: dict) -> transformers.PreTrainedConfig:
     return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **QWEN_TOKENS)
 
 
+def _qwen2_vl(text: dict) -> transformers.PreTrainedConfig:
+    # Qwen2.5-VL's sections; a vision block of LayerNorms and an ungated MLP.
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    vision = dict(depth=1, embed_dim=16, hidden_size=32, mlp_ratio=2, num_heads=2, patch_size=2, spatial_merge_size=2,
+                  temporal_patch_size=1)  # fmt: skip
+    return transformers.Qwen2VLConfig(text_config={"rope_parameters": rope, **text}, vision_config=vision,
+                                      **QWEN_TOKENS)  # fmt: skip
+
+
+def _qwen3_vl_moe(text: dict) -> transformers.PreTrainedConfig:
+    # Qwen3-VL's tiny model with a dense first layer and a mixture of experts after it (transformers' loop).
+    config = _qwen3_vl(text)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[0])
+    text = {**config.text_config.to_dict(), **moe}
+    return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=config.vision_config.to_dict(),
+                                         **QWEN_TOKENS)  # fmt: skip
+
+
 def _gemma3(text: dict) -> transformers.PreTrainedConfig:
     # SigLIP on 4 x 4 patches, pooled to 2 x 2 tokens. The text config's final_logit_softcapping is one that
     # Gemma3ForConditionalGeneration does not apply: the fused loss must not either.
@@ -74,8 +92,16 @@ def _llava(text: dict) -> transformers.PreTrainedConfig:
                                     image_token_index=IMAGE, image_seq_length=IMAGE_TOKENS)  # fmt: skip
 
 
-CONFIGS = {"qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "gemma3": _gemma3, "llava": _llava}
+CONFIGS = {
+    "qwen2_5_vl": _qwen2_5_vl,
+    "qwen3_vl": _qwen3_vl,
+    "gemma3": _gemma3,
+    "llava": _llava,
+    "qwen2_vl": _qwen2_vl,
+    "qwen3_vl_moe": _qwen3_vl_moe,
+}
 """The tiny config of each vision-language family, from the language model's settings."""
+MIXTURES_OF_EXPERTS = ("qwen3_vl_moe",)
 
 
 def tiny_vlm(model_type: str, /, *, text_only: bool = False, **text_overrides) -> transformers.PreTrainedModel:
@@ -83,7 +109,9 @@ def tiny_vlm(model_type: str, /, *, text_only: bool = False, **text_overrides) -
     ``text_only`` freezes what a batch without images leaves without gradients, all but the language model and the
     head: for tests that compare the gradient of every parameter that requires one on text alone."""
     config = CONFIGS[model_type]({**TEXT, **text_overrides})
-    model = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
+    # A mixture of experts runs transformers' loop over the experts, the one fused (its kernels stay as they are).
+    experts = {"experts_implementation": "eager"} if model_type in MIXTURES_OF_EXPERTS else {}
+    model = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager", **experts)
     if model_type == "gemma3":
         # Gemma 3 starts its projection at zero (a checkpoint overwrites it), which would leave the vision tower
         # without gradients.
@@ -107,7 +135,7 @@ def image_batch(model: transformers.PreTrainedModel, batch_size: int = 2, seq: i
     if model_type != "llava":  # LLaVA's prompt holds the image tokens alone
         input_ids[:, image.start - 1], input_ids[:, image.stop] = VISION_START, VISION_END
     batch = {"input_ids": input_ids}
-    if model_type in ("qwen2_5_vl", "qwen3_vl"):
+    if model_type in ("qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen3_vl_moe"):
         # The processor's flattened patches: one row of channels x temporal x patch x patch values per patch.
         patches = QWEN_GRID[0] * QWEN_GRID[1] * QWEN_GRID[2]
         batch["pixel_values"] = torch.randn(batch_size * patches, 3 * QWEN_VISION["patch_size"] ** 2)

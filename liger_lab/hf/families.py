@@ -265,6 +265,23 @@ FAMILIES: dict[str, _Family] = {
             ("projector", "the patch mergers (the DeepStack ones too): LayerNorm and a GELU MLP, transformers' code"),
         ),
     ),
+    # Qwen2-VL: Qwen2.5-VL's language model before it (Qwen2MLP, multimodal RoPE built into cos and sin); its vision
+    # blocks normalise with LayerNorm and their MLP has no gate.
+    "qwen2_vl": _Family(
+        "Qwen2VL", add_norm=True, names=(("MLP", "Qwen2MLP"), ("ForCausalLM", "Qwen2VLForConditionalGeneration")),
+        left_alone=(
+            ("vision tower", f"{_QWEN_VISION_TOWER}; its norms are LayerNorms and its MLP has no gate"),
+            ("projector", "the patch merger: LayerNorm and a GELU MLP, transformers' code"),
+        ),
+    ),
+    # Qwen3-VL-MoE: Qwen3-VL with Qwen3-MoE's layers (3-D experts; mlp_only_layers keep a dense MLP).
+    "qwen3_vl_moe": _Family(
+        "Qwen3VLMoeText", add_norm=True, experts=True, names=(("ForCausalLM", "Qwen3VLMoeForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", f"{_QWEN_VISION_TOWER}; its norms are LayerNorms and its MLP has no gate"),
+            ("projector", "the patch mergers (the DeepStack ones too): LayerNorm and a GELU MLP, transformers' code"),
+        ),
+    ),
     # Gemma 3 with images: its language model is Gemma3TextModel, gemma3_text's classes. Gemma3ForConditionalGeneration
     # applies no final_logit_softcapping (Gemma3ForCausalLM does), and neither does its fused loss.
     "gemma3": replace(
