@@ -73,6 +73,26 @@ def _qwen3_vl_moe(text: dict) -> transformers.PreTrainedConfig:
                                          **QWEN_TOKENS)  # fmt: skip
 
 
+# Qwen3.5's language model as tests/test_patching.py's qwen3_5_text: a linear-attention layer, then a full-attention
+# one with partial RoPE (head_dim 8, half rotated: two pairs, temporal and height, interleaved).
+_QWEN3_5_TEXT = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], partial_rotary_factor=0.5,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0],
+                                      "mrope_interleaved": True})  # fmt: skip
+_QWEN3_5_VISION = dict(QWEN_VISION, depth=1, num_position_embeddings=16)
+
+
+def _qwen3_5(text: dict) -> transformers.PreTrainedConfig:
+    return transformers.Qwen3_5Config(text_config={**text, **_QWEN3_5_TEXT}, vision_config=_QWEN3_5_VISION,
+                                      **QWEN_TOKENS)  # fmt: skip
+
+
+def _qwen3_5_moe(text: dict) -> transformers.PreTrainedConfig:
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24)
+    return transformers.Qwen3_5MoeConfig(text_config={**text, **_QWEN3_5_TEXT, **moe}, vision_config=_QWEN3_5_VISION,
+                                         **QWEN_TOKENS)  # fmt: skip
+
+
 def _gemma3(text: dict) -> transformers.PreTrainedConfig:
     # SigLIP on 4 x 4 patches, pooled to 2 x 2 tokens. The text config's final_logit_softcapping is one that
     # Gemma3ForConditionalGeneration does not apply: the fused loss must not either.
@@ -99,9 +119,11 @@ CONFIGS = {
     "llava": _llava,
     "qwen2_vl": _qwen2_vl,
     "qwen3_vl_moe": _qwen3_vl_moe,
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5_moe,
 }
 """The tiny config of each vision-language family, from the language model's settings."""
-MIXTURES_OF_EXPERTS = ("qwen3_vl_moe",)
+MIXTURES_OF_EXPERTS = ("qwen3_vl_moe", "qwen3_5_moe")
 
 
 def tiny_vlm(model_type: str, /, *, text_only: bool = False, **text_overrides) -> transformers.PreTrainedModel:
@@ -135,7 +157,7 @@ def image_batch(model: transformers.PreTrainedModel, batch_size: int = 2, seq: i
     if model_type != "llava":  # LLaVA's prompt holds the image tokens alone
         input_ids[:, image.start - 1], input_ids[:, image.stop] = VISION_START, VISION_END
     batch = {"input_ids": input_ids}
-    if model_type in ("qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen3_vl_moe"):
+    if model_type in ("qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
         # The processor's flattened patches: one row of channels x temporal x patch x patch values per patch.
         patches = QWEN_GRID[0] * QWEN_GRID[1] * QWEN_GRID[2]
         batch["pixel_values"] = torch.randn(batch_size * patches, 3 * QWEN_VISION["patch_size"] ** 2)

@@ -128,6 +128,12 @@ _QWEN_VISION_TOWER = (
 # Qwen3.5's linear-attention (Gated DeltaNet) layers end in a norm of another formula.
 _GATED_NORM = ("gated RMSNorm", "RMSNormGated, norm(x) * w * silu(z) in the linear-attention layers: no fused kernel")
 
+# The vision side of Qwen3-VL's kind (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 with images), as the report states it.
+_QWEN3_VISION_SIDE = (
+    ("vision tower", f"{_QWEN_VISION_TOWER}; its norms are LayerNorms and its MLP has no gate"),
+    ("projector", "the patch mergers (the DeepStack ones too): LayerNorm and a GELU MLP, transformers' code"),
+)
+
 FAMILIES: dict[str, _Family] = {
     "llama": _LLAMA,
     "mistral": _Family("Mistral", add_norm=True),
@@ -281,6 +287,16 @@ FAMILIES: dict[str, _Family] = {
             ("vision tower", f"{_QWEN_VISION_TOWER}; its norms are LayerNorms and its MLP has no gate"),
             ("projector", "the patch mergers (the DeepStack ones too): LayerNorm and a GELU MLP, transformers' code"),
         ),
+    ),
+    # Qwen3.5 and Qwen3.5-MoE with images: their language models are the text rows' classes (multimodal RoPE built
+    # into cos and sin once per forward, as Qwen3-VL's); the vision tower is Qwen3-VL's kind.
+    "qwen3_5": _Family(
+        "Qwen3_5", norm="gemma", names=(("ForCausalLM", "Qwen3_5ForConditionalGeneration"),),
+        left_alone=(_GATED_NORM, *_QWEN3_VISION_SIDE),
+    ),
+    "qwen3_5_moe": _Family(
+        "Qwen3_5Moe", norm="gemma", experts=True, names=(("ForCausalLM", "Qwen3_5MoeForConditionalGeneration"),),
+        left_alone=(_GATED_NORM, *_QWEN3_VISION_SIDE),
     ),
     # Gemma 3 with images: its language model is Gemma3TextModel, gemma3_text's classes. Gemma3ForConditionalGeneration
     # applies no final_logit_softcapping (Gemma3ForCausalLM does), and neither does its fused loss.
