@@ -93,6 +93,21 @@ def _qwen3_5_moe(text: dict) -> transformers.PreTrainedConfig:
                                          **QWEN_TOKENS)  # fmt: skip
 
 
+def _gemma4(text: dict) -> transformers.PreTrainedConfig:
+    # Gemma 4's language model as tests/test_patching.py's gemma4_text (sliding and global layers, per-layer inputs,
+    # experts beside the MLP); its vision encoder on a 4 x 4 grid of 2 x 2 patches, pooled 2 x 2 into four tokens.
+    text = {**text, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4,
+            "global_head_dim": 16, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": text["vocab_size"],
+            "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 24,
+            "final_logit_softcapping": 2.0}  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, pooling_kernel_size=2, patch_size=2,
+                  position_embedding_size=16)  # fmt: skip
+    return transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=IMAGE,
+                                     video_token_id=VIDEO, boi_token_id=VISION_START, eoi_token_id=VISION_END,
+                                     audio_token_id=124, boa_token_id=125, eoa_token_index=126)  # fmt: skip
+
+
 def _gemma3(text: dict) -> transformers.PreTrainedConfig:
     # SigLIP on 4 x 4 patches, pooled to 2 x 2 tokens. The text config's final_logit_softcapping is one that
     # Gemma3ForConditionalGeneration does not apply: the fused loss must not either.
@@ -121,9 +136,10 @@ CONFIGS = {
     "qwen3_vl_moe": _qwen3_vl_moe,
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5_moe,
+    "gemma4": _gemma4,
 }
 """The tiny config of each vision-language family, from the language model's settings."""
-MIXTURES_OF_EXPERTS = ("qwen3_vl_moe", "qwen3_5_moe")
+MIXTURES_OF_EXPERTS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
 
 
 def tiny_vlm(model_type: str, /, *, text_only: bool = False, **text_overrides) -> transformers.PreTrainedModel:
@@ -163,6 +179,13 @@ def image_batch(model: transformers.PreTrainedModel, batch_size: int = 2, seq: i
         batch["pixel_values"] = torch.randn(batch_size * patches, 3 * QWEN_VISION["patch_size"] ** 2)
         batch["image_grid_thw"] = torch.tensor([QWEN_GRID] * batch_size)
         batch["mm_token_type_ids"] = (input_ids == IMAGE).int()  # 1: image, for the 3-D positions
+    elif model_type == "gemma4":
+        # The processor's patches (channels x patch x patch values each) and each patch's (x, y) in the grid.
+        side = torch.arange(4)
+        grid = torch.stack(torch.meshgrid(side, side, indexing="xy"), dim=-1).reshape(16, 2)
+        batch["pixel_values"] = torch.randn(batch_size, 16, 3 * 2 * 2)
+        batch["image_position_ids"] = grid.expand(batch_size, -1, -1)
+        batch["mm_token_type_ids"] = (input_ids == IMAGE).long()
     else:
         batch["pixel_values"] = torch.randn(batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
     if model_type == "gemma3":

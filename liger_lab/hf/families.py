@@ -91,6 +91,9 @@ class _Family:
     # LlamaModel, whose pieces are in llama, while LlavaForConditionalGeneration is in llava. patch(model) then checks
     # that the model's text config is of ``module``'s family.
     causal_lm_module: str | None = None
+    # A conditional generation that applies its text config's final_logit_softcapping (Gemma 4's; Gemma 3's does not):
+    # the fused loss applies it too.
+    text_softcap: bool = False
 
     @property
     def pieces(self) -> tuple[str, ...]:
@@ -297,6 +300,22 @@ FAMILIES: dict[str, _Family] = {
     "qwen3_5_moe": _Family(
         "Qwen3_5Moe", norm="gemma", experts=True, names=(("ForCausalLM", "Qwen3_5MoeForConditionalGeneration"),),
         left_alone=(_GATED_NORM, *_QWEN3_VISION_SIDE),
+    ),
+    # Gemma 4 with images: gemma4_text's language model under the conditional generation; the vision encoder's norms
+    # are Gemma4RMSNorm, the language model's class, fused too (those without weight run transformers' forward).
+    "gemma4": _Family(
+        "Gemma4Text", norm="fp32_weight", act_attr="hidden_activation", experts=True, rope=False, text_softcap=True,
+        in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
+        names=(("RMSNorm", "Gemma4RMSNorm"), ("ForCausalLM", "Gemma4ForConditionalGeneration")),
+        left_alone=(
+            ("RoPE", "apply_rotary_pos_emb(x, cos, sin) rotates q and k one at a time, each after its norm (the vision "
+                     "encoder's 2-D RoPE too); the fused kernel takes both"),
+            ("RMSNorm without weight", "v_norm, the router's and the projector's pre-projection norm "
+                                       "(with_scale=False): no weight for the kernel to scale by"),
+            ("vision tower", "its attention and its GeGLU MLP (clippable linears) run transformers' code; its norms, "
+                             "the language model's class, run fused"),
+            ("projector", "the multimodal embedder's projection is transformers' (its norm has no weight)"),
+        ),
     ),
     # Gemma 3 with images: its language model is Gemma3TextModel, gemma3_text's classes. Gemma3ForConditionalGeneration
     # applies no final_logit_softcapping (Gemma3ForCausalLM does), and neither does its fused loss.

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_lab.hf.families import _causal_lm_modeling, _family
+from liger_lab.hf.families import FAMILIES, _causal_lm_modeling, _family
 from liger_lab.hf.registry import _original
 from liger_lab.nn.mlp import outputs_observed
 from liger_lab.ops import cross_entropy as ce_ops
@@ -219,6 +219,9 @@ def _loss_forward(
     # Read from the model's own config, as transformers' forward does: a vision-language model's has neither (its text
     # config may, and its ForConditionalGeneration applies neither).
     softcap = getattr(self.config, "final_logit_softcapping", None)
+    family = FAMILIES.get(getattr(self.config, "model_type", None))
+    if family is not None and family.text_softcap:  # Gemma 4's conditional generation applies its text config's
+        softcap = self.config.get_text_config().final_logit_softcapping
     logits_scaling = getattr(self.config, "logits_scaling", None)  # Granite: logits = lm_head(h) / scaling
     if logits_scaling is not None and logits_scaling != 1:
         kept, hidden = kept / logits_scaling, hidden / logits_scaling  # the same logits, by linearity
