@@ -47,6 +47,9 @@ REPORTS = {
     "qwen3_5": {RMSNORM, MLP, ROPE, LOSS},
     "qwen3_5_moe": {RMSNORM, MLP, ROPE, LOSS, "MoE experts (SwiGLU)"},
     "gemma4": {RMSNORM, MLP, LOSS, "MoE experts (GeGLU)", VISION_RMSNORM},
+    "paligemma": {RMSNORM, MLP, ROPE, LOSS},
+    "internvl": {RMSNORM, MLP, ROPE, ADD, LOSS},
+    "smolvlm": {RMSNORM, MLP, ROPE, ADD, LOSS},
 }
 
 
@@ -133,7 +136,7 @@ def test_patch_report_names_the_vision_tower_and_projector_left_alone(model_type
     assert set(report.left_alone) == {"vision tower", "projector", *text} and all(report.left_alone.values())
     assert "vision tower" in str(report)
     vision_side = [module for name, module in model.named_modules() if name.startswith("model.") and
-                   not name.startswith("model.language_model")]  # fmt: skip
+                   not name.startswith(("model.language_model", "model.text_model"))]  # fmt: skip
     fused = {type(module).__name__ for module in vision_side if type(module).__name__.startswith("Fused")}
     # the language model's class, nothing else
     assert fused <= {"FusedQwen2_5_VLRMSNorm", "FusedGemma3RMSNorm", "FusedGemma4RMSNorm"}

@@ -108,6 +108,30 @@ def _gemma4(text: dict) -> transformers.PreTrainedConfig:
                                      audio_token_id=124, boa_token_id=125, eoa_token_index=126)  # fmt: skip
 
 
+# SigLIP-like towers on 8 x 8 images of 2 x 2 patches (PaliGemma's of 4 x 4), each image four tokens of the language
+# model once the projector has merged them.
+_SIGLIP = dict(image_size=IMAGE_SIZE, patch_size=2, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+               num_attention_heads=2)  # fmt: skip
+
+
+def _paligemma(text: dict) -> transformers.PreTrainedConfig:
+    # PaliGemma with a Gemma text config: SigLIP, then one linear projection.
+    return transformers.PaliGemmaConfig(text_config={"model_type": "gemma", **text}, vision_config=dict(_SIGLIP,
+                                        patch_size=4), image_token_index=IMAGE, projection_dim=32)  # fmt: skip
+
+
+def _internvl(text: dict) -> transformers.PreTrainedConfig:
+    # InternVL with a Qwen2 text config: InternViT, pixel shuffle by 0.5 (16 patches -> 4 tokens), a GELU MLP.
+    return transformers.InternVLConfig(text_config={"model_type": "qwen2", **text}, vision_config=_SIGLIP,
+                                       image_token_id=IMAGE, image_seq_length=IMAGE_TOKENS)  # fmt: skip
+
+
+def _smolvlm(text: dict) -> transformers.PreTrainedConfig:
+    # SmolVLM with a Llama text config: SigLIP, pixel shuffle by 2 (16 patches -> 4 tokens), a linear projection.
+    return transformers.SmolVLMConfig(text_config={"model_type": "llama", **text}, vision_config=_SIGLIP,
+                                      image_token_id=IMAGE, scale_factor=2)  # fmt: skip
+
+
 def _gemma3(text: dict) -> transformers.PreTrainedConfig:
     # SigLIP on 4 x 4 patches, pooled to 2 x 2 tokens. The text config's final_logit_softcapping is one that
     # Gemma3ForConditionalGeneration does not apply: the fused loss must not either.
@@ -137,6 +161,9 @@ CONFIGS = {
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5_moe,
     "gemma4": _gemma4,
+    "paligemma": _paligemma,
+    "internvl": _internvl,
+    "smolvlm": _smolvlm,
 }
 """The tiny config of each vision-language family, from the language model's settings."""
 MIXTURES_OF_EXPERTS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
@@ -157,7 +184,8 @@ def tiny_vlm(model_type: str, /, *, text_only: bool = False, **text_overrides) -
             model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, TEXT["initializer_range"])
     if text_only:
         model.requires_grad_(False)
-        model.model.language_model.requires_grad_(True)
+        language_model = getattr(model.model, "language_model", None) or model.model.text_model  # SmolVLM's name
+        language_model.requires_grad_(True)
         model.lm_head.requires_grad_(True)
     return model.to(runtime.DEVICE)
 
@@ -186,9 +214,11 @@ def image_batch(model: transformers.PreTrainedModel, batch_size: int = 2, seq: i
         batch["pixel_values"] = torch.randn(batch_size, 16, 3 * 2 * 2)
         batch["image_position_ids"] = grid.expand(batch_size, -1, -1)
         batch["mm_token_type_ids"] = (input_ids == IMAGE).long()
+    elif model_type == "smolvlm":  # one image per sequence: (batch, images, channels, height, width)
+        batch["pixel_values"] = torch.randn(batch_size, 1, 3, IMAGE_SIZE, IMAGE_SIZE)
     else:
         batch["pixel_values"] = torch.randn(batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
-    if model_type == "gemma3":
+    if model_type in ("gemma3", "paligemma"):
         batch["token_type_ids"] = (input_ids == IMAGE).long()  # 1: image, attended bidirectionally
     labels = input_ids.masked_fill(input_ids >= TEXT_TOKENS, -100)
     labels[0, :2] = -100

@@ -327,6 +327,33 @@ FAMILIES: dict[str, _Family] = {
                           "a Gemma3RMSNorm, is fused)"),
         ),
     ),
+    # PaliGemma with a Gemma text config (PaliGemma 1; PaliGemma 2's Gemma 2 text is refused, as LLaVA's of another
+    # family), InternVL with a Qwen2 text config, SmolVLM with a Llama one: as LLaVA, the language model is built from
+    # that text family's classes, which patching the vision-language type swaps for that family's models too.
+    "paligemma": _Family(
+        "Gemma", norm="gemma", module="gemma", causal_lm_module="paligemma",
+        names=(("ForCausalLM", "PaliGemmaForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", "SigLIP: LayerNorms, a GELU MLP without gate and no RoPE, which no fused piece computes"),
+            ("projector", "PaliGemmaMultiModalProjector: one linear layer"),
+        ),
+    ),
+    "internvl": _Family(
+        "Qwen2", add_norm=True, module="qwen2", causal_lm_module="internvl",
+        names=(("ForCausalLM", "InternVLForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", "InternViT: LayerNorms (or its own RMSNorm), a GELU MLP without gate and no RoPE, which "
+                             "no fused piece computes"),
+            ("projector", "pixel shuffle, LayerNorm and a GELU MLP: no gated product to fuse"),
+        ),
+    ),
+    "smolvlm": replace(
+        _LLAMA, module="llama", causal_lm_module="smolvlm", names=(("ForCausalLM", "SmolVLMForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", "SigLIP: LayerNorms, a GELU MLP without gate and no RoPE, which no fused piece computes"),
+            ("projector", "pixel shuffle and one linear layer"),
+        ),
+    ),
     # LLaVA with a Llama text config (LLaVA 1.5): its language model is a LlamaModel, built from llama's classes, which
     # patch("llava") therefore swaps for every Llama model built afterwards, as patch("llama") does.
     "llava": replace(

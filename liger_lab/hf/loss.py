@@ -175,8 +175,8 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 def _final_norm(base: nn.Module) -> tuple[nn.Module, ...]:
     """The norm whose output is the base model's last hidden state (``norm`` in every text family here, a
-    vision-language model's ``language_model.norm``), if any."""
-    for owner in (base, getattr(base, "language_model", None)):
+    vision-language model's ``language_model.norm``, SmolVLM's ``text_model.norm``), if any."""
+    for owner in (base, getattr(base, "language_model", None), getattr(base, "text_model", None)):
         norm = getattr(owner, "norm", None)
         if isinstance(norm, nn.Module):
             return (norm,)

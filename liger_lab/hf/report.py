@@ -108,9 +108,9 @@ the language model's class in the vision blocks or the projector (Qwen2.5-VL's, 
 
 def _vision_side(model: nn.Module) -> set[int]:
     """The ids of a vision-language model's modules outside its language model (the base model's ``language_model``,
-    under which transformers 5 puts every one of them); none for a text model."""
+    under which transformers 5 puts every one of them; SmolVLM's ``text_model``); none for a text model."""
     base = getattr(model, "model", None)
-    language_model = getattr(base, "language_model", None)
+    language_model = getattr(base, "language_model", None) or getattr(base, "text_model", None)
     if not isinstance(language_model, nn.Module):
         return set()
     inside = {id(module) for module in language_model.modules()}
