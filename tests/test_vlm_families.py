@@ -50,6 +50,7 @@ REPORTS = {
     "paligemma": {RMSNORM, MLP, ROPE, LOSS},
     "internvl": {RMSNORM, MLP, ROPE, ADD, LOSS},
     "smolvlm": {RMSNORM, MLP, ROPE, ADD, LOSS},
+    "glm4v": {RMSNORM, MLP, ROPE, LOSS, VISION_RMSNORM},
 }
 
 
@@ -139,7 +140,7 @@ def test_patch_report_names_the_vision_tower_and_projector_left_alone(model_type
                    not name.startswith(("model.language_model", "model.text_model"))]  # fmt: skip
     fused = {type(module).__name__ for module in vision_side if type(module).__name__.startswith("Fused")}
     # the language model's class, nothing else
-    assert fused <= {"FusedQwen2_5_VLRMSNorm", "FusedGemma3RMSNorm", "FusedGemma4RMSNorm"}
+    assert fused <= {"FusedQwen2_5_VLRMSNorm", "FusedGemma3RMSNorm", "FusedGemma4RMSNorm", "FusedGlm4vRMSNorm"}
     assert report.replaced.get(VISION_RMSNORM, 0) == len([m for m in vision_side if type(m).__name__ in fused])
 
 

@@ -132,6 +132,16 @@ def _smolvlm(text: dict) -> transformers.PreTrainedConfig:
                                       image_token_id=IMAGE, scale_factor=2)  # fmt: skip
 
 
+def _glm4v(text: dict) -> transformers.PreTrainedConfig:
+    # Half of each head rotated (two pairs: one temporal, one height); Qwen's grid of patches, merged 2 x 2.
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0], "partial_rotary_factor": 0.5}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=2, spatial_merge_size=2,
+                  temporal_patch_size=1, out_hidden_size=32, image_size=8)  # fmt: skip
+    return transformers.Glm4vConfig(text_config={"rope_parameters": rope, **text}, vision_config=vision,
+                                    image_token_id=IMAGE, video_token_id=VIDEO, image_start_token_id=VISION_START,
+                                    image_end_token_id=VISION_END)  # fmt: skip
+
+
 def _gemma3(text: dict) -> transformers.PreTrainedConfig:
     # SigLIP on 4 x 4 patches, pooled to 2 x 2 tokens. The text config's final_logit_softcapping is one that
     # Gemma3ForConditionalGeneration does not apply: the fused loss must not either.
@@ -164,6 +174,7 @@ CONFIGS = {
     "paligemma": _paligemma,
     "internvl": _internvl,
     "smolvlm": _smolvlm,
+    "glm4v": _glm4v,
 }
 """The tiny config of each vision-language family, from the language model's settings."""
 MIXTURES_OF_EXPERTS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
@@ -201,7 +212,7 @@ def image_batch(model: transformers.PreTrainedModel, batch_size: int = 2, seq: i
     if model_type != "llava":  # LLaVA's prompt holds the image tokens alone
         input_ids[:, image.start - 1], input_ids[:, image.stop] = VISION_START, VISION_END
     batch = {"input_ids": input_ids}
-    if model_type in ("qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
+    if model_type in ("qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v"):
         # The processor's flattened patches: one row of channels x temporal x patch x patch values per patch.
         patches = QWEN_GRID[0] * QWEN_GRID[1] * QWEN_GRID[2]
         batch["pixel_values"] = torch.randn(batch_size * patches, 3 * QWEN_VISION["patch_size"] ** 2)

@@ -74,6 +74,7 @@ class _Family:
     rope_half_tables: bool = False
     # How the attention's RoPE pairs features, when ``rope``: "rotate_half" (Llama's apply_rotary_pos_emb, partial
     # RoPE included), "interleaved" (GLM's: neighbours paired, each pair's angle from the first half of the tables),
+    # "interleaved_tables" (GLM-4V's: neighbours paired, tables already repeating each pair's angle),
     # "complex" (Llama 4's apply_rotary_emb(xq, xk, freqs_cis), complex pairs of neighbours, q and k (B, T, H, D)),
     # "complex_heads_first" (DeepSeek-V2's apply_rotary_emb: the same on q and k (B, H, T, D)).
     rope_layout: str = "rotate_half"
@@ -315,6 +316,19 @@ FAMILIES: dict[str, _Family] = {
             ("vision tower", "its attention and its GeGLU MLP (clippable linears) run transformers' code; its norms, "
                              "the language model's class, run fused"),
             ("projector", "the multimodal embedder's projection is transformers' (its norm has no weight)"),
+        ),
+    ),
+    # GLM-4V: GLM-4's sandwich layer (norms after attention and after the MLP too), one gate_up_proj; multimodal RoPE
+    # built into cos and sin once per forward, rotating neighbour pairs on half of each head. Its vision blocks and
+    # merger normalise with Glm4vRMSNorm, the language model's class, fused too.
+    "glm4v": _Family(
+        "Glm4vText", fused_gate_up=True, rope_layout="interleaved_tables",
+        names=(("RMSNorm", "Glm4vRMSNorm"), ("ForCausalLM", "Glm4vForConditionalGeneration")),
+        left_alone=(
+            ("vision tower", "the vision blocks' attention (2-D RoPE, apply_rotary_pos_emb_vision) and SwiGLU MLP with "
+                             "biases run transformers' code; only their RMSNorms, the language model's class, are "
+                             "fused"),
+            ("projector", "the patch merger's convolution and MLP are transformers'"),
         ),
     ),
     # Gemma 3 with images: its language model is Gemma3TextModel, gemma3_text's classes. Gemma3ForConditionalGeneration

@@ -237,6 +237,16 @@ def _fused_interleaved_rotary_pos_emb(
     return q_rot.to(q.dtype), k_rot.to(k.dtype)
 
 
+def _fused_interleaved_tables_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4V's ``apply_rotary_pos_emb``: GLM's neighbour pairs over the first ``cos.shape[-1]`` features, with tables
+    that already hold each pair's angle twice in a row (its rotary embedding repeats them)."""
+    _check_heads_first(unsqueeze_dim)
+    q_rot, k_rot = partial_rope_ops.partial_rope(q, k, cos, sin, interleaved=True)
+    return q_rot.to(q.dtype), k_rot.to(k.dtype)
+
+
 def _fused_complex_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,6 +281,7 @@ def _fused_complex_heads_first_rotary_emb(
 _FUSED_ROPE: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "rotate_half": _fused_rotary_pos_emb,
     "interleaved": _fused_interleaved_rotary_pos_emb,
+    "interleaved_tables": _fused_interleaved_tables_rotary_pos_emb,
     "complex": _fused_complex_rotary_emb,
     "complex_heads_first": _fused_complex_heads_first_rotary_emb,
 }
