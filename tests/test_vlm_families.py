@@ -51,6 +51,7 @@ REPORTS = {
     "internvl": {RMSNORM, MLP, ROPE, ADD, LOSS},
     "smolvlm": {RMSNORM, MLP, ROPE, ADD, LOSS},
     "glm4v": {RMSNORM, MLP, ROPE, LOSS, VISION_RMSNORM},
+    "glm4v_moe": {RMSNORM, MLP, ROPE, ADD, LOSS, "MoE experts (SwiGLU)"},
 }
 
 

@@ -142,6 +142,17 @@ def _glm4v(text: dict) -> transformers.PreTrainedConfig:
                                     image_end_token_id=VISION_END)  # fmt: skip
 
 
+def _glm4v_moe(text: dict) -> transformers.PreTrainedConfig:
+    # GLM-4V's tiny model with GLM-4.5's layers: a dense first layer, then shared and routed experts.
+    config = _glm4v(text)
+    moe = dict(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=24, n_shared_experts=1)  # fmt: skip
+    return transformers.Glm4vMoeConfig(text_config={**config.text_config.to_dict(), **moe},
+                                       vision_config=config.vision_config.to_dict(), image_token_id=IMAGE,
+                                       video_token_id=VIDEO, image_start_token_id=VISION_START,
+                                       image_end_token_id=VISION_END)  # fmt: skip
+
+
 def _gemma3(text: dict) -> transformers.PreTrainedConfig:
     # SigLIP on 4 x 4 patches, pooled to 2 x 2 tokens. The text config's final_logit_softcapping is one that
     # Gemma3ForConditionalGeneration does not apply: the fused loss must not either.
@@ -175,9 +186,10 @@ CONFIGS = {
     "internvl": _internvl,
     "smolvlm": _smolvlm,
     "glm4v": _glm4v,
+    "glm4v_moe": _glm4v_moe,
 }
 """The tiny config of each vision-language family, from the language model's settings."""
-MIXTURES_OF_EXPERTS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
+MIXTURES_OF_EXPERTS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "glm4v_moe")
 
 
 def tiny_vlm(model_type: str, /, *, text_only: bool = False, **text_overrides) -> transformers.PreTrainedModel:
@@ -212,7 +224,16 @@ def image_batch(model: transformers.PreTrainedModel, batch_size: int = 2, seq: i
     if model_type != "llava":  # LLaVA's prompt holds the image tokens alone
         input_ids[:, image.start - 1], input_ids[:, image.stop] = VISION_START, VISION_END
     batch = {"input_ids": input_ids}
-    if model_type in ("qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v"):
+    if model_type in (
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen2_vl",
+        "qwen3_vl_moe",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "glm4v",
+        "glm4v_moe",
+    ):
         # The processor's flattened patches: one row of channels x temporal x patch x patch values per patch.
         patches = QWEN_GRID[0] * QWEN_GRID[1] * QWEN_GRID[2]
         batch["pixel_values"] = torch.randn(batch_size * patches, 3 * QWEN_VISION["patch_size"] ** 2)

@@ -331,6 +331,16 @@ FAMILIES: dict[str, _Family] = {
             ("projector", "the patch merger's convolution and MLP are transformers'"),
         ),
     ),
+    # GLM-4.5V (glm4v_moe): GLM-4.5's layer (Llama's layout, rotate_half partial RoPE, shared and routed experts) under
+    # GLM-4V's vision side, whose norms are a class of their own (Glm4vMoeRMSNorm, also the text model's final norm).
+    "glm4v_moe": _Family(
+        "Glm4vMoeText", experts=True, add_norm=True, names=(("ForCausalLM", "Glm4vMoeForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", "the vision blocks (2-D RoPE, SwiGLU MLP with biases, Glm4vMoeRMSNorm) run transformers' "
+                             "code: patch fuses the language model"),
+            ("projector", "the patch merger's convolution and MLP are transformers'"),
+        ),
+    ),
     # Gemma 3 with images: its language model is Gemma3TextModel, gemma3_text's classes. Gemma3ForConditionalGeneration
     # applies no final_logit_softcapping (Gemma3ForCausalLM does), and neither does its fused loss.
     "gemma3": replace(
