@@ -52,6 +52,7 @@ REPORTS = {
     "smolvlm": {RMSNORM, MLP, ROPE, ADD, LOSS},
     "glm4v": {RMSNORM, MLP, ROPE, LOSS, VISION_RMSNORM},
     "glm4v_moe": {RMSNORM, MLP, ROPE, ADD, LOSS, "MoE experts (SwiGLU)"},
+    "mllama": {RMSNORM, MLP, ROPE, LOSS},
 }
 
 

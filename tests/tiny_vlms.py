@@ -153,6 +153,15 @@ def _glm4v_moe(text: dict) -> transformers.PreTrainedConfig:
                                        image_end_token_id=VISION_END)  # fmt: skip
 
 
+def _mllama(text: dict) -> transformers.PreTrainedConfig:
+    # A self-attention layer, then a cross-attention one reading the image; a tiled ViT of up to two 8 x 8 tiles.
+    text = {**text, "num_hidden_layers": 2, "cross_attention_layers": [1]}
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_global_layers=1, attention_heads=2, intermediate_size=24,
+                  vision_output_dim=32, image_size=IMAGE_SIZE, patch_size=4, max_num_tiles=2,
+                  intermediate_layers_indices=[0], supported_aspect_ratios=[[1, 1], [1, 2]])  # fmt: skip
+    return transformers.MllamaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE)
+
+
 def _gemma3(text: dict) -> transformers.PreTrainedConfig:
     # SigLIP on 4 x 4 patches, pooled to 2 x 2 tokens. The text config's final_logit_softcapping is one that
     # Gemma3ForConditionalGeneration does not apply: the fused loss must not either.
@@ -187,6 +196,7 @@ CONFIGS = {
     "smolvlm": _smolvlm,
     "glm4v": _glm4v,
     "glm4v_moe": _glm4v_moe,
+    "mllama": _mllama,
 }
 """The tiny config of each vision-language family, from the language model's settings."""
 MIXTURES_OF_EXPERTS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "glm4v_moe")
@@ -205,10 +215,20 @@ def tiny_vlm(model_type: str, /, *, text_only: bool = False, **text_overrides) -
         # without gradients.
         with torch.no_grad():
             model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, TEXT["initializer_range"])
+    if model_type == "mllama":
+        # Mllama's gates start shut (tanh(0) = 0: a checkpoint opens them): the cross-attention layers', the vision
+        # encoder's global layers' and its tile and position embeddings'. Shut, they keep parts of the image's path
+        # without gradients.
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "gate" in name.rpartition(".")[2]:
+                    parameter.fill_(0.5)
     if text_only:
         model.requires_grad_(False)
         language_model = getattr(model.model, "language_model", None) or model.model.text_model  # SmolVLM's name
         language_model.requires_grad_(True)
+        for layer in getattr(config.get_text_config(), "cross_attention_layers", None) or ():
+            language_model.layers[layer].requires_grad_(False)  # Mllama's: without an image they are skipped
         model.lm_head.requires_grad_(True)
     return model.to(runtime.DEVICE)
 
@@ -246,6 +266,12 @@ def image_batch(model: transformers.PreTrainedModel, batch_size: int = 2, seq: i
         batch["pixel_values"] = torch.randn(batch_size, 16, 3 * 2 * 2)
         batch["image_position_ids"] = grid.expand(batch_size, -1, -1)
         batch["mm_token_type_ids"] = (input_ids == IMAGE).long()
+    elif model_type == "mllama":
+        # One image of one tile in the first sequence, of two in the second; every text position sees the image.
+        batch["pixel_values"] = torch.randn(batch_size, 1, 2, 3, IMAGE_SIZE, IMAGE_SIZE)
+        batch["aspect_ratio_ids"] = torch.tensor([[1 + i % 2] for i in range(batch_size)])
+        batch["aspect_ratio_mask"] = torch.tensor([[[1, i % 2]] for i in range(batch_size)])
+        batch["cross_attention_mask"] = torch.ones(batch_size, seq, 1, 2, dtype=torch.long)
     elif model_type == "smolvlm":  # one image per sequence: (batch, images, channels, height, width)
         batch["pixel_values"] = torch.randn(batch_size, 1, 3, IMAGE_SIZE, IMAGE_SIZE)
     else:

@@ -341,6 +341,18 @@ FAMILIES: dict[str, _Family] = {
             ("projector", "the patch merger's convolution and MLP are transformers'"),
         ),
     ),
+    # Llama 3.2 Vision (mllama): Llama's self-attention layers with cross-attention layers between them, whose norms
+    # (q and k norms too) and MLPs are the same classes, fused too; the decoder layers take the cross-attention's
+    # inputs, so the add before the MLP's norm stays transformers'.
+    "mllama": _Family(
+        "MllamaText",
+        names=(("Attention", "MllamaTextSelfAttention"), ("ForCausalLM", "MllamaForConditionalGeneration")),
+        left_alone=(
+            ("vision tower", "its tiled ViT: LayerNorms, a GELU MLP without gate and no RoPE, which no fused piece "
+                             "computes"),
+            ("projector", "the multimodal projector: one linear layer"),
+        ),
+    ),
     # Gemma 3 with images: its language model is Gemma3TextModel, gemma3_text's classes. Gemma3ForConditionalGeneration
     # applies no final_logit_softcapping (Gemma3ForCausalLM does), and neither does its fused loss.
     "gemma3": replace(
