@@ -53,6 +53,7 @@ REPORTS = {
     "glm4v": {RMSNORM, MLP, ROPE, LOSS, VISION_RMSNORM},
     "glm4v_moe": {RMSNORM, MLP, ROPE, ADD, LOSS, "MoE experts (SwiGLU)"},
     "mllama": {RMSNORM, MLP, ROPE, LOSS},
+    "muse_glimmer": {RMSNORM, MLP, ROPE, LOSS},
 }
 
 
@@ -135,6 +136,7 @@ def test_patch_report_names_the_vision_tower_and_projector_left_alone(model_type
         ({"router"} if model_type in MIXTURES_OF_EXPERTS else set())
         | ({"gated RMSNorm"} if model_type.startswith("qwen3_5") else set())
         | ({"RoPE", "RMSNorm without weight"} if model_type == "gemma4" else set())
+        | ({"MuseGlimmerRMSNorm"} if model_type == "muse_glimmer" else set())
     )
     assert set(report.left_alone) == {"vision tower", "projector", *text} and all(report.left_alone.values())
     assert "vision tower" in str(report)

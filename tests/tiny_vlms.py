@@ -162,6 +162,23 @@ def _mllama(text: dict) -> transformers.PreTrainedConfig:
     return transformers.MllamaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE)
 
 
+def _muse_glimmer(text: dict) -> transformers.PreTrainedConfig:
+    # Qwen's grid of 2 x 2 patches merged 2 x 2; a sliding and a global layer; logits scaled by 0.5, then capped at 2.
+    text = {
+        **text,
+        "num_hidden_layers": 2,
+        "sliding_window": 4,
+        "final_logit_softcapping": 2.0,
+        "output_multiplier": 0.5,
+    }
+    vision = dict(patch_size=2, patch_temporal=1, merge_size=2, hidden_size=16, num_attention_heads=2,
+                  num_hidden_layers=1, intermediate_size=24, pos_emb_height=4, pos_emb_width=4,
+                  max_position_embeddings=16)  # fmt: skip
+    return transformers.MuseGlimmerConfig(text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                          video_token_id=VIDEO, out_hidden_size=64,
+                                          projector_hidden_size=16)  # fmt: skip
+
+
 def _gemma3(text: dict) -> transformers.PreTrainedConfig:
     # SigLIP on 4 x 4 patches, pooled to 2 x 2 tokens. The text config's final_logit_softcapping is one that
     # Gemma3ForConditionalGeneration does not apply: the fused loss must not either.
@@ -197,6 +214,7 @@ CONFIGS = {
     "glm4v": _glm4v,
     "glm4v_moe": _glm4v_moe,
     "mllama": _mllama,
+    "muse_glimmer": _muse_glimmer,
 }
 """The tiny config of each vision-language family, from the language model's settings."""
 MIXTURES_OF_EXPERTS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "glm4v_moe")
@@ -266,6 +284,9 @@ def image_batch(model: transformers.PreTrainedModel, batch_size: int = 2, seq: i
         batch["pixel_values"] = torch.randn(batch_size, 16, 3 * 2 * 2)
         batch["image_position_ids"] = grid.expand(batch_size, -1, -1)
         batch["mm_token_type_ids"] = (input_ids == IMAGE).long()
+    elif model_type == "muse_glimmer":  # Qwen's flattened patches and grid, without modality ids
+        batch["pixel_values"] = torch.randn(batch_size * 16, 3 * 2 * 2)
+        batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * batch_size)
     elif model_type == "mllama":
         # One image of one tile in the first sequence, of two in the second; every text position sees the image.
         batch["pixel_values"] = torch.randn(batch_size, 1, 2, 3, IMAGE_SIZE, IMAGE_SIZE)

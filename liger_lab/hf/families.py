@@ -92,8 +92,8 @@ class _Family:
     # LlamaModel, whose pieces are in llama, while LlavaForConditionalGeneration is in llava. patch(model) then checks
     # that the model's text config is of ``module``'s family.
     causal_lm_module: str | None = None
-    # A conditional generation that applies its text config's final_logit_softcapping (Gemma 4's; Gemma 3's does not):
-    # the fused loss applies it too.
+    # A conditional generation that applies its text config's final_logit_softcapping (Gemma 4's; Gemma 3's does not),
+    # after its output_multiplier where it has one (MuseGlimmer's): the fused loss applies them too.
     text_softcap: bool = False
 
     @property
@@ -351,6 +351,19 @@ FAMILIES: dict[str, _Family] = {
             ("vision tower", "its tiled ViT: LayerNorms, a GELU MLP without gate and no RoPE, which no fused piece "
                              "computes"),
             ("projector", "the multimodal projector: one linear layer"),
+        ),
+    ),
+    # MuseGlimmer: Gemma-style sandwich layers ((1 + w) norms in fp32, MuseGlimmerTextCenteredRMSNorm), SwiGLU, RoPE;
+    # its logits are scaled by the text config's output_multiplier, then soft-capped, in the fused loss too.
+    "muse_glimmer": _Family(
+        "MuseGlimmerText", norm="gemma", act_attr="hidden_activation", text_softcap=True,
+        in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
+        names=(("RMSNorm", "MuseGlimmerTextCenteredRMSNorm"), ("ForCausalLM", "MuseGlimmerForConditionalGeneration")),
+        left_alone=(
+            ("MuseGlimmerRMSNorm", "the final norm (w in fp32) and the weightless q/k, embedding and perception norms "
+                                   "are another class, left as they are"),
+            ("vision tower", "its blocks (LayerNorms, GELU MLP, 2-D RoPE) run transformers' code"),
+            ("projector", "the vision adapter's GELU MLP and projection are transformers'"),
         ),
     ),
     # Gemma 3 with images: its language model is Gemma3TextModel, gemma3_text's classes. Gemma3ForConditionalGeneration

@@ -226,6 +226,8 @@ def _loss_forward(
     if logits_scaling is not None and logits_scaling != 1:
         kept, hidden = kept / logits_scaling, hidden / logits_scaling  # the same logits, by linearity
     multiplier = getattr(self.config, "lm_head_multiplier", None)  # Falcon-H1: logits = lm_head(h) * multiplier
+    if family is not None and family.text_softcap:  # MuseGlimmer: its text config's output_multiplier, then the softcap
+        multiplier = getattr(self.config.get_text_config(), "output_multiplier", multiplier)
     if multiplier is not None and multiplier != 1:
         kept, hidden = kept * multiplier, hidden * multiplier
 
