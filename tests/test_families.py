@@ -87,6 +87,13 @@ def test_patch_report_says_what_each_new_family_fuses_and_leaves_alone():
         assert set(report.left_alone) == left_alone and all(report.left_alone.values()), model_type
 
 
+def test_a_family_s_own_reason_for_its_mlp_is_the_report_s():
+    """Falcon-H1's and DeepSeek-V4's MLPs are dense, but compute otherwise: the report gives their rows' reasons."""
+    for model_type in ("falcon_h1", "deepseek_v4"):
+        report = liger_lab.patch_report(liger_lab.patch(tiny_model(model_type)))
+        assert report.left_alone["MLP"] == dict(hf.FAMILIES[model_type].left_alone)["MLP"]
+
+
 def test_gemma4_patched_by_model_type():
     """Patching the family swaps Gemma4RMSNorm and Gemma4ForCausalLM beside the Gemma4Text... classes; its norms
     without a weight (v_norm, the router's) are of the fused class then, and run transformers' forward."""

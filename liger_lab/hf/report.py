@@ -69,7 +69,7 @@ def report(model: nn.Module) -> PatchReport:
         left_alone["router"] = "transformers' own: top-k routing and its load-balancing loss are not fused"
     mlp = family.name("MLP")
     if not family.mlp or not any(_transformers_class(module).__name__ == mlp for module in model.modules()):
-        left_alone["MLP"] = "no dense MLP: every layer is a mixture of experts"
+        left_alone.setdefault("MLP", "no dense MLP: every layer is a mixture of experts")  # unless the row says why
     elif not replaced.get(_PIECE_KINDS["MLP"].label):
         no_kernel = f"activation {activation!r} has no fused kernel"
         left_alone["MLP"] = no_kernel if _gated_kernel(activation) is None else "not patched (swiglu=False?)"
