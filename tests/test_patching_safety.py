@@ -86,7 +86,7 @@ def test_every_piece_kind_has_a_builder_an_option_and_a_family_flag():
 
 
 HF = pathlib.Path(hf.__file__).parent
-LAYERS = ["registry", "families", "modules", "loss", "api", "report"]
+LAYERS = ["registry", "families", "modules", "loss", "api", "report", "hub_kernels"]
 """The files of liger_lab.hf from the bottom up: each imports only those before it (the package docstring's order)."""
 
 
