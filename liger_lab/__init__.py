@@ -26,6 +26,7 @@ from liger_lab.ops.jsd import jsd
 from liger_lab.ops.layer_norm import layer_norm
 from liger_lab.ops.logprobs import fused_linear_logprobs
 from liger_lab.ops.mrope import mrope
+from liger_lab.ops.partial_rope import partial_rope
 from liger_lab.ops.preference import (
     fused_linear_cpo,
     fused_linear_dpo,
@@ -47,6 +48,7 @@ __all__ = [
     "add_rms_norm",
     "rope",
     "mrope",
+    "partial_rope",
     "runtime",
     "swiglu",
     "geglu",

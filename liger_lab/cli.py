@@ -107,7 +107,7 @@ def check(ops: tuple[str, ...], verbose: bool) -> None:
 
 
 @main.command(name="patch", short_help="What liger_lab.patch fuses in a model family, and what it leaves alone.")
-@click.argument("model_type", type=click.Choice(sorted(FAMILIES)))
+@click.argument("model_type", type=click.Choice(sorted(FAMILIES)), metavar="MODEL_TYPE")
 @click.option("--dry-run", is_flag=True, help="Accepted for older scripts: the command only ever reports.")
 def patch_command(model_type: str, dry_run: bool) -> None:
     """Build a tiny random MODEL_TYPE model (nothing downloaded), patch it and print what was fused, per kind

@@ -132,6 +132,14 @@ def _mrope_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
     return [q, k, angles.cos().to(dtype), angles.sin().to(dtype), [head_dim // 2 - 2 * spatial, spatial, spatial]]
 
 
+def _partial_rope_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
+    """RoPE's q and k with tables of the first rotary_dim features only (Phi-3's and GLM-4's half of a head)."""
+    batch, q_heads, k_heads, seq, head_dim, rotary_dim = shape
+    q, k, _, _ = _rope_inputs((batch, q_heads, k_heads, seq, head_dim), dtype)
+    _, _, cos, sin = _rope_inputs((1, 0, 0, seq, rotary_dim), dtype)
+    return [q, k, cos, sin]
+
+
 def _glu_inputs(shape: Shape, dtype: torch.dtype) -> list[object]:
     return [_randn(shape, dtype), _randn(shape, dtype)]
 
@@ -281,6 +289,15 @@ OPS: dict[str, OpSpec] = {
             bench_shape=(4, 28, 4, 4096, 128), quick_shape=(1, 28, 4, 4096, 128),
             check_shapes=((2, 4, 2, 19, 32), (2, 28, 4, 1024, 128)),
             operators=("mrope", "mrope_backward"), **_ROPE, liger=("liger_qwen2vl_mrope", {}),
+        ),
+        OpSpec(
+            "partial_rope", _partial_rope_inputs, ("q", "k", "cos", "sin"), ("q", "k"),
+            # (batch, q heads, k heads, seq_len, head_dim, rotary_dim): GLM-4-9B's attention, 32 query heads and 2
+            # key heads of 128 features, the first 64 rotated.
+            bench_shape=(4, 32, 2, 4096, 128, 64), quick_shape=(1, 32, 2, 4096, 128, 64),
+            check_shapes=((2, 4, 2, 19, 32, 16), (2, 32, 2, 1024, 128, 64)),
+            operators=("partial_rope", "partial_rope_backward"), **_ROPE,
+            variants={"interleaved": {"interleaved": True}},
         ),
         OpSpec(
             "swiglu", _glu_inputs, ("gate", "up"), ("gate", "up"), **_GLU,

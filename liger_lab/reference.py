@@ -53,6 +53,28 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def rotate_adjacent_pairs(x: torch.Tensor) -> torch.Tensor:
+    """GLM's ``rotate_half``: features (2i, 2i + 1) become (-x[2i + 1], x[2i])."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def partial_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' partial RoPE (Phi-3, Qwen3-Next; GLM-4's with ``interleaved``): the first R = cos.shape[-1]
+    features rotate, paired (i, i + R/2) or, interleaved, (2i, 2i + 1); the rest are concatenated back unchanged
+    (``torch.cat`` promotes them to the rotated features' dtype). q, k (B, heads, T, D); cos, sin (B or 1, T, R)."""
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotate = rotate_adjacent_pairs if interleaved else rotate_half
+
+    def embed(x: torch.Tensor) -> torch.Tensor:
+        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat([x_rot * cos + rotate(x_rot) * sin, x_pass], dim=-1)
+
+    return embed(q), embed(k)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 

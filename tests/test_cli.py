@@ -290,3 +290,11 @@ def test_patch_dry_run_reports_a_family():
 def test_patch_says_how_to_report_a_vision_language_family():
     result = CliRunner().invoke(cli.main, ["patch", "qwen2_5_vl"])
     assert result.exit_code == 2 and "vision-language family" in result.output and "patch_report" in result.output
+
+
+def test_patch_without_a_family_lists_each_family_once():
+    result = CliRunner().invoke(cli.main, ["patch"])
+    assert result.exit_code == 2
+    assert all(result.output.count(f"\t{model_type},") + result.output.count(f"\t{model_type}\n") == 1
+               for model_type in liger_lab.hf.FAMILIES)  # fmt: skip
+    assert "[OPTIONS] MODEL_TYPE" in result.output

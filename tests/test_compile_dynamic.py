@@ -36,6 +36,7 @@ LENGTHS = (5, 7, 12)
 # The dimension of each op's shape that is a length (of tokens, or of the positions of sequences); 0 if not listed.
 LENGTH_DIM = {
     "rope": 3,
+    "partial_rope": 3,
     **dict.fromkeys(("rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu"), 1),
     **dict.fromkeys(("fused_linear_dpo", "fused_linear_orpo", "fused_linear_simpo", "fused_linear_grpo"), 1),
 }

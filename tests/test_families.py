@@ -28,7 +28,8 @@ from liger_lab.workbook.checks import relative_l2_error
 transformers = pytest.importorskip("transformers")
 
 NEW_FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "gemma4_text", "gpt_oss", "llama4_text", "olmo3", "ministral3",
-                "deepseek_v3", "glm4_moe"]  # fmt: skip
+                "deepseek_v3", "glm4_moe", "ministral", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "qwen3_next",
+                "deepseek_v2", "deepseek_v4", "falcon_h1"]  # fmt: skip
 
 RMSNORM, MLP, ROPE, ADD = "RMSNorm", "gated MLP (SwiGLU/GeGLU)", "attention (RoPE)", "residual add into RMSNorm"
 LOSS = "loss (fused linear cross-entropy)"
@@ -38,11 +39,19 @@ REPORTS = {
     "qwen3_5_moe_text": ({RMSNORM, MLP, ROPE, "MoE experts (SwiGLU)", LOSS}, {"gated RMSNorm", "router"}),
     "gemma4_text": ({RMSNORM, MLP, "MoE experts (GeGLU)", LOSS}, {"RoPE", "RMSNorm without weight", "router"}),
     "gpt_oss": ({RMSNORM, ROPE, LOSS}, {"experts", "router", "MLP"}),
-    "llama4_text": ({RMSNORM, MLP, LOSS}, {"RoPE", "experts", "qk_norm", "router"}),
+    "llama4_text": ({RMSNORM, MLP, ROPE, LOSS}, {"experts", "qk_norm", "router"}),
     "olmo3": ({RMSNORM, MLP, ROPE, LOSS}, set()),
     "ministral3": ({RMSNORM, MLP, ROPE, ADD, LOSS}, set()),
     "deepseek_v3": ({RMSNORM, MLP, ADD, "MoE experts (SwiGLU)", LOSS}, {"RoPE", "router"}),
     "glm4_moe": ({RMSNORM, MLP, ROPE, ADD, "MoE experts (SwiGLU)", LOSS}, {"router"}),
+    "ministral": ({RMSNORM, MLP, ROPE, ADD, LOSS}, set()),
+    "exaone4": ({RMSNORM, MLP, ROPE, LOSS}, set()),
+    "hunyuan_v1_dense": ({RMSNORM, MLP, ROPE, ADD, LOSS}, set()),
+    "hunyuan_v1_moe": ({RMSNORM, MLP, ROPE, ADD, "MoE experts (SwiGLU)", LOSS}, {"router"}),
+    "qwen3_next": ({RMSNORM, MLP, ROPE, "MoE experts (SwiGLU)", LOSS}, {"gated RMSNorm", "router"}),
+    "deepseek_v2": ({RMSNORM, MLP, ROPE, ADD, "MoE experts (SwiGLU)", LOSS}, {"router"}),
+    "deepseek_v4": ({RMSNORM, LOSS}, {"MLP", "experts", "RoPE", "unweighted RMSNorm", "router"}),
+    "falcon_h1": ({RMSNORM, ROPE, LOSS}, {"MLP", "Mamba mixer"}),
 }
 
 
@@ -76,6 +85,13 @@ def test_patch_report_says_what_each_new_family_fuses_and_leaves_alone():
         report = liger_lab.patch_report(liger_lab.patch(tiny_model(model_type)))
         assert set(report.replaced) == replaced, model_type
         assert set(report.left_alone) == left_alone and all(report.left_alone.values()), model_type
+
+
+def test_a_family_s_own_reason_for_its_mlp_is_the_report_s():
+    """Falcon-H1's and DeepSeek-V4's MLPs are dense, but compute otherwise: the report gives their rows' reasons."""
+    for model_type in ("falcon_h1", "deepseek_v4"):
+        report = liger_lab.patch_report(liger_lab.patch(tiny_model(model_type)))
+        assert report.left_alone["MLP"] == dict(hf.FAMILIES[model_type].left_alone)["MLP"]
 
 
 def test_gemma4_patched_by_model_type():

@@ -42,7 +42,7 @@ ALIASES = {
 }
 """The old path of each moved module, and where it is now."""
 
-HF_ORDER = ["registry", "families", "modules", "loss", "api", "report"]
+HF_ORDER = ["registry", "families", "modules", "loss", "api", "report", "hub_kernels"]
 """The files of liger_lab.hf from the bottom up: each imports only those before it (the package docstring's order)."""
 
 

@@ -52,7 +52,7 @@ FAMILY_CONFIG = {
     "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3,
                 "logits_scaling": 4.0},
     "smollm3": {"num_hidden_layers": 2, "no_rope_layers": [1, 0]},  # the second layer has no RoPE
-    "glm4": {"partial_rotary_factor": 0.5},  # interleaved RoPE: not fused; fused gate_up_proj, post norms
+    "glm4": {"partial_rotary_factor": 0.5},  # interleaved RoPE on half of each head; fused gate_up_proj, post norms
     # A linear-attention (Gated DeltaNet) layer, which never calls apply_rotary_pos_emb, then a full-attention one.
     "qwen3_5_text": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
                      "partial_rotary_factor": 0.5, **LINEAR_ATTENTION},
@@ -87,6 +87,32 @@ FAMILY_CONFIG = {
     "glm4_moe": {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 24, "use_qk_norm": True, "partial_rotary_factor": 0.5,
                  "experts_implementation": "eager"},
+    "ministral": {"sliding_window": 4},
+    "exaone4": {"num_hidden_layers": 2, "sliding_window": 4, "sliding_window_pattern": 2},  # a sliding layer, a global
+    "hunyuan_v1_dense": {},  # q and k norms
+    # Top-k routed experts, heavily compressed attention whose compressor fills windows within the test's sequences,
+    # hyper-connections of 2 streams. (The sparse layers' indexer takes no gradient, and a hash-routed layer's router
+    # one of rounding size: the tests compare every gradient.)
+    "deepseek_v4": {"num_hidden_layers": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 24, "q_lora_rank": 16, "head_dim": 16, "num_key_value_heads": 1,
+                    "o_groups": 2, "o_lora_rank": 8,
+                    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4, "sliding_window": 4, "hc_mult": 2,
+                    "hc_sinkhorn_iters": 2, "num_nextn_predict_layers": 0, "experts_implementation": "eager",
+                    "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                    "mlp_layer_types": ["moe", "moe"]},
+    # A small Mamba-2 mixer (its gated norm on) beside attention; muP multipliers that differ from 1, the logits' too.
+    "falcon_h1": {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8, "mamba_chunk_size": 4,
+                  "mamba_rms_norm": True, "mlp_multipliers": [1.5, 0.5], "lm_head_multiplier": 0.5,
+                  "key_multiplier": 0.7, "attention_out_multiplier": 0.8, "embedding_multiplier": 1.3},
+    "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2, "experts_implementation": "eager"},
+    "qwen3_next": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+                   "partial_rotary_factor": 0.5, **LINEAR_ATTENTION, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 24, "shared_expert_intermediate_size": 24,
+                   "experts_implementation": "eager"},
+    "deepseek_v2": {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 24, "kv_lora_rank": 16,
+                    "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                    "num_key_value_heads": 4, "experts_implementation": "eager"},
 }  # fmt: skip
 
 
@@ -390,7 +416,7 @@ def test_patch_report_counts_what_was_fused_and_says_what_was_left_alone():
     }  # fmt: skip
     assert report.left_alone == {} and "RMSNorm" in str(report)
     glm = liger_lab.patch_report(liger_lab.patch(tiny_model("glm4")))
-    assert "interleaved" in glm.left_alone["RoPE"] and "attention (RoPE)" not in glm.replaced
+    assert "RoPE" not in glm.left_alone and glm.replaced["attention (RoPE)"] == 1  # interleaved, partial
     mixtral = liger_lab.patch_report(liger_lab.patch(tiny_model("mixtral")))
     assert mixtral.replaced["MoE experts (SwiGLU)"] == 1 and "mixture of experts" in mixtral.left_alone["MLP"]
     assert "routing" in mixtral.left_alone["router"]

@@ -20,7 +20,7 @@ from test_patching import (  # noqa: F401  (fused_calls: a fixture)
     lora_model,
     tiny_model,
 )
-from tiny_vlms import CONFIGS, image_batch, tiny_vlm
+from tiny_vlms import CONFIGS, MIXTURES_OF_EXPERTS, image_batch, tiny_vlm
 
 import liger_lab
 from liger_lab import hf
@@ -42,6 +42,18 @@ REPORTS = {
     "qwen3_vl": {RMSNORM, MLP, ROPE, ADD, LOSS},
     "gemma3": {RMSNORM, MLP, ROPE, LOSS, VISION_RMSNORM},
     "llava": {RMSNORM, MLP, ROPE, ADD, LOSS},
+    "qwen2_vl": {RMSNORM, MLP, ROPE, ADD, LOSS},
+    "qwen3_vl_moe": {RMSNORM, MLP, ROPE, ADD, LOSS, "MoE experts (SwiGLU)"},
+    "qwen3_5": {RMSNORM, MLP, ROPE, LOSS},
+    "qwen3_5_moe": {RMSNORM, MLP, ROPE, LOSS, "MoE experts (SwiGLU)"},
+    "gemma4": {RMSNORM, MLP, LOSS, "MoE experts (GeGLU)", VISION_RMSNORM},
+    "paligemma": {RMSNORM, MLP, ROPE, LOSS},
+    "internvl": {RMSNORM, MLP, ROPE, ADD, LOSS},
+    "smolvlm": {RMSNORM, MLP, ROPE, ADD, LOSS},
+    "glm4v": {RMSNORM, MLP, ROPE, LOSS, VISION_RMSNORM},
+    "glm4v_moe": {RMSNORM, MLP, ROPE, ADD, LOSS, "MoE experts (SwiGLU)"},
+    "mllama": {RMSNORM, MLP, ROPE, LOSS},
+    "muse_glimmer": {RMSNORM, MLP, ROPE, LOSS},
 }
 
 
@@ -119,16 +131,24 @@ def test_patch_report_names_the_vision_tower_and_projector_left_alone(model_type
     model = liger_lab.patch(tiny_vlm(model_type))
     report = liger_lab.patch_report(model)
     assert set(report.replaced) == REPORTS[model_type]
-    assert set(report.left_alone) == {"vision tower", "projector"} and all(report.left_alone.values())
+    # besides the vision side, what the language model leaves alone (tests/test_families.py's reports say why)
+    text = (
+        ({"router"} if model_type in MIXTURES_OF_EXPERTS else set())
+        | ({"gated RMSNorm"} if model_type.startswith("qwen3_5") else set())
+        | ({"RoPE", "RMSNorm without weight"} if model_type == "gemma4" else set())
+        | ({"MuseGlimmerRMSNorm"} if model_type == "muse_glimmer" else set())
+    )
+    assert set(report.left_alone) == {"vision tower", "projector", *text} and all(report.left_alone.values())
     assert "vision tower" in str(report)
     vision_side = [module for name, module in model.named_modules() if name.startswith("model.") and
-                   not name.startswith("model.language_model")]  # fmt: skip
+                   not name.startswith(("model.language_model", "model.text_model"))]  # fmt: skip
     fused = {type(module).__name__ for module in vision_side if type(module).__name__.startswith("Fused")}
-    assert fused <= {"FusedQwen2_5_VLRMSNorm", "FusedGemma3RMSNorm"}  # the language model's class, nothing else
+    # the language model's class, nothing else
+    assert fused <= {"FusedQwen2_5_VLRMSNorm", "FusedGemma3RMSNorm", "FusedGemma4RMSNorm", "FusedGlm4vRMSNorm"}
     assert report.replaced.get(VISION_RMSNORM, 0) == len([m for m in vision_side if type(m).__name__ in fused])
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen3_vl_moe"])
 def test_multimodal_rope_of_the_text_layers_runs_the_fused_rope(monkeypatch, model_type):
     """transformers picks each feature pair's position stream (temporal, height, width) once per forward and hands
     every text attention layer (B, T, D) tables for the module's plain apply_rotary_pos_emb: the fused rope runs in
@@ -175,19 +195,19 @@ def test_lora_on_the_language_model_reaches_the_fused_pieces(fused_calls):  # no
 @pytest.mark.parametrize("model_type", VLMS)
 def test_unpatch_restores_the_model_exactly(model_type):
     model = vlm(model_type).eval()
-    modeling = modeling_of(model_type)
-    rope_before = modeling.apply_rotary_pos_emb
+    modeling, family = modeling_of(model_type), hf.FAMILIES[model_type]
+    rope_before = getattr(modeling, family.rope_function)
     classes = {name: type(m) for name, m in model.named_modules()}
     state = {k: v.clone() for k, v in model.state_dict().items()}
     batch = image_batch(model)
     with torch.no_grad():
         before = model(**batch).logits
     liger_lab.patch(model)
-    assert modeling.apply_rotary_pos_emb is not rope_before and "forward" in model.__dict__
+    assert (getattr(modeling, family.rope_function) is not rope_before) == family.rope and "forward" in model.__dict__
     liger_lab.unpatch(model)
     assert {name: type(m) for name, m in model.named_modules()} == classes
     assert "forward" not in model.__dict__ and not any("in_place_backward" in vars(m) for m in model.modules())
-    assert modeling.apply_rotary_pos_emb is rope_before
+    assert getattr(modeling, family.rope_function) is rope_before
     for key, value in model.state_dict().items():
         assert torch.equal(value, state[key]), key
     with torch.no_grad():

@@ -13,20 +13,23 @@ above it in this list):
 * :mod:`~liger_lab.hf.loss`: the causal-LM forward, whose training loss does not materialise the logits, its head
   (LoRA included) and its paths through FSDP2 and accelerate;
 * :mod:`~liger_lab.hf.api`: :func:`patch` and :func:`unpatch`;
-* :mod:`~liger_lab.hf.report`: :func:`patch_report` (named as in ``liger_lab``: ``liger_lab.hf.report`` is the file).
+* :mod:`~liger_lab.hf.report`: :func:`patch_report` (named as in ``liger_lab``: ``liger_lab.hf.report`` is the file);
+* :mod:`~liger_lab.hf.hub_kernels`: liger_lab's layers for transformers' and TRL's ``use_kernels=True`` (the
+  ``kernels`` package's mapping), and ``use_liger_kernel=True`` served by :func:`patch`.
 
 A patched model pickles (``torch.save(model)``) and loads in any process: the fused classes are recorded as
 ``liger_lab.hf.Fused...``, found by :func:`__getattr__` (which rebuilds them), and a patched model's own ``forward``
 pickles as its options. Models saved before this package existed name ``liger_lab.patching``, which still loads them.
 """
 
+from liger_lab.hf import hub_kernels
 from liger_lab.hf.api import patch, unpatch
 from liger_lab.hf.families import FAMILIES
 from liger_lab.hf.modules import find_fused_class
 from liger_lab.hf.report import PatchReport
 from liger_lab.hf.report import report as patch_report
 
-__all__ = ["FAMILIES", "PatchReport", "patch", "patch_report", "unpatch"]
+__all__ = ["FAMILIES", "PatchReport", "hub_kernels", "patch", "patch_report", "unpatch"]
 
 
 def __getattr__(name: str) -> type:

@@ -35,7 +35,7 @@ from liger_lab.hf.loss import (
     remove_patched_forward,
     set_patched_forward,
 )
-from liger_lab.hf.modules import ROPE_FUNCTION, fused_classes, gated_kernel, rope_dispatcher
+from liger_lab.hf.modules import fused_classes, gated_kernel, rope_dispatcher
 from liger_lab.hf.registry import UNFUSED, hold, original_of, release
 from liger_lab.ops import fused_linear_cross_entropy as flce_ops
 
@@ -137,7 +137,7 @@ def _patch_family(model_type: str, options: Options) -> None:
     pieces = fused_classes(family, modeling, options)
     replacements = [(modeling, name, piece.fused) for name, piece in pieces.items()]
     if options.rope and family.rope:
-        replacements.append((modeling, ROPE_FUNCTION, rope_dispatcher(family, modeling)))
+        replacements.append((modeling, family.rope_function, rope_dispatcher(family, modeling)))
     if options.loss:
         forward = loss_forward_of(
             model_type, options.fused_linear_cross_entropy, options.cross_entropy, options.loss_chunk_tokens
@@ -220,7 +220,7 @@ def _patch_model(model: nn.Module, options: Options) -> None:
         if name.rpartition(".")[2] in family.in_place_norms:
             module.in_place_backward = True
     if options.rope and family.rope:
-        hold(modeling, ROPE_FUNCTION, rope_dispatcher(family, modeling), model)
+        hold(modeling, family.rope_function, rope_dispatcher(family, modeling), model)
     causal_lm = causal_lm_class(model_type)
     # A subclass with its own forward, or a family patched at class level, keeps the forward it has.
     if options.loss and isinstance(model, causal_lm) and type(model).forward is original_of(causal_lm, "forward"):
@@ -233,7 +233,7 @@ def _patch_model(model: nn.Module, options: Options) -> None:
 
 def _unpatch_model(model: nn.Module) -> None:
     model_type = getattr(model.config, "model_type", None)
-    family_row(model_type)
+    family = family_row(model_type)
     modeling = modeling_of(model_type)
     fused_names = {fused.__name__ for fused in UNFUSED}
     for module in model.modules():
@@ -245,7 +245,7 @@ def _unpatch_model(model: nn.Module) -> None:
         if original is not None:
             _set_class(module, original)
             module.__dict__.pop("in_place_backward", None)
-            release(modeling, ROPE_FUNCTION, module)  # held by an unpickled fused attention
+            release(modeling, family.rope_function, module)  # held by an unpickled fused attention
     remove_patched_forward(model)
     _INSTANCE_OPTIONS.pop(model, None)
-    release(modeling, ROPE_FUNCTION, model)
+    release(modeling, family.rope_function, model)

@@ -23,7 +23,7 @@ Adding a family is adding a row, keyed by its model type:
   the field): every family an RMSNorm; ``mlp`` a dense gated MLP, ``rope`` an attention whose RoPE is rotate_half's,
   ``add_norm`` a decoder layer written as Llama's, ``experts`` 3-D experts.
 * How they compute, where families differ: ``norm`` (where the RMSNorm rounds), ``act_attr`` (the config attribute
-  naming the activation), ``fused_gate_up``, ``rope_half_tables``, ``in_place_norms``.
+  naming the activation), ``fused_gate_up``, ``rope_half_tables``, ``rope_layout``, ``in_place_norms``.
 * ``left_alone``: what stays transformers' and why, in the report's words.
 
 Then the family gets a tiny config in ``tests/test_patching.py`` (``FAMILY_CONFIG``), and every test that runs over
@@ -72,6 +72,12 @@ class Family:
     # GPT-OSS's cos and sin hold each of the D/2 angles once, where rotate_half's hold them twice (D columns): the
     # same rotation, which the kernel runs on the tables repeated.
     rope_half_tables: bool = False
+    # How the attention's RoPE pairs features, when ``rope``: "rotate_half" (Llama's apply_rotary_pos_emb, partial
+    # RoPE included), "interleaved" (GLM's: neighbours paired, each pair's angle from the first half of the tables),
+    # "interleaved_tables" (GLM-4V's: neighbours paired, tables already repeating each pair's angle),
+    # "complex" (Llama 4's apply_rotary_emb(xq, xk, freqs_cis), complex pairs of neighbours, q and k (B, T, H, D)),
+    # "complex_heads_first" (DeepSeek-V2's apply_rotary_emb: the same on q and k (B, H, T, D)).
+    rope_layout: str = "rotate_half"
     module: str | None = None  # the modeling module, when its name is not the model type (gemma3_text)
     # A decoder layer written exactly as Llama's (norm, attention, add, norm, MLP, add): the add before the MLP's
     # norm is fused into it (add_rms_norm).
@@ -86,11 +92,19 @@ class Family:
     # LlamaModel, whose pieces are in llama, while LlavaForConditionalGeneration is in llava. patch(model) then checks
     # that the model's text config is of ``module``'s family.
     causal_lm_module: str | None = None
+    # A conditional generation that applies its text config's final_logit_softcapping (Gemma 4's; Gemma 3's does not),
+    # after its output_multiplier where it has one (MuseGlimmer's): the fused loss applies them too.
+    text_softcap: bool = False
 
     @property
     def pieces(self) -> tuple[str, ...]:
         """Class-name suffixes of the pieces this family has fused versions of (kinds of ``PIECE_KINDS``)."""
         return tuple(suffix for suffix, kind in PIECE_KINDS.items() if kind.flag is None or getattr(self, kind.flag))
+
+    @property
+    def rope_function(self) -> str:
+        """The modeling module's function that the attention calls to rotate q and k, which patch swaps."""
+        return "apply_rotary_emb" if self.rope_layout.startswith("complex") else "apply_rotary_pos_emb"
 
     def name(self, suffix: str) -> str:
         """The class name of a piece (a suffix of :attr:`pieces`, ``"Experts"`` or ``"ForCausalLM"``)."""
@@ -118,6 +132,12 @@ _QWEN_VISION_TOWER = (
 # Qwen3.5's linear-attention (Gated DeltaNet) layers end in a norm of another formula.
 _GATED_NORM = ("gated RMSNorm", "RMSNormGated, norm(x) * w * silu(z) in the linear-attention layers: no fused kernel")
 
+# The vision side of Qwen3-VL's kind (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 with images), as the report states it.
+_QWEN3_VISION_SIDE = (
+    ("vision tower", f"{_QWEN_VISION_TOWER}; its norms are LayerNorms and its MLP has no gate"),
+    ("projector", "the patch mergers (the DeepStack ones too): LayerNorm and a GELU MLP, transformers' code"),
+)
+
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
     "mistral": Family("Mistral", add_norm=True),
@@ -136,10 +156,7 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family("Olmo2", norm="fp32_weight", in_place_norms=()),
     "granite": Family("Granite"),  # its logits are divided by config.logits_scaling, in the loss too
     "smollm3": Family("SmolLM3", add_norm=True),  # some layers skip RoPE: they never call apply_rotary_pos_emb
-    "glm4": Family(
-        "Glm4", fused_gate_up=True, rope=False,
-        left_alone=(("RoPE", "interleaved pairs, which the fused kernel does not rotate"),),
-    ),
+    "glm4": Family("Glm4", fused_gate_up=True, rope_layout="interleaved"),
     # Qwen3.5 (the text model): (1 + w) norms, q_norm and k_norm too; partial RoPE on the full-attention layers (its
     # multimodal position tables are plain cos and sin by then). The decoder's add is not fused: add_norm is written
     # for Llama's norm.
@@ -173,9 +190,8 @@ FAMILIES: dict[str, Family] = {
     # Llama 4 (text): Llama's norm (its eps named eps), SwiGLU MLPs (the dense layers and each MoE layer's shared
     # expert). The decoder layer calls its MLP feed_forward and unpacks the MoE's tuple: no fused add.
     "llama4_text": Family(
-        "Llama4Text", module="llama4", rope=False, names=(("ForCausalLM", "Llama4ForCausalLM"),),
+        "Llama4Text", module="llama4", rope_layout="complex", names=(("ForCausalLM", "Llama4ForCausalLM"),),
         left_alone=(
-            ("RoPE", "complex multiplication of interleaved pairs (apply_rotary_emb), not rotate_half"),
             ("experts", "every expert runs on every token, its input scaled by the router (batched matmuls): not the "
                         "top-k experts interface of the fused loop"),
             ("qk_norm", "Llama4TextL2Norm has no weight for the kernel to scale by"),
@@ -197,6 +213,45 @@ FAMILIES: dict[str, Family] = {
     ),
     # GLM-4.5 (MoE): unlike GLM-4, rotate_half RoPE on part of each head; Llama's layer, optional q and k norms.
     "glm4_moe": Family("Glm4Moe", experts=True, add_norm=True),
+    # Ministral (the first, 8B): Mistral's layer.
+    "ministral": Family("Ministral", add_norm=True),
+    # EXAONE 4: OLMo 2's layout (norms after attention and after the MLP, each output added to the residual, q and k
+    # norms over head_dim), Llama's norm rounding; sliding and global layers.
+    "exaone4": Family("Exaone4", in_place_norms=()),
+    # Hunyuan dense: Llama's layer, with q and k norms (query_layernorm, key_layernorm) after RoPE.
+    "hunyuan_v1_dense": Family("HunYuanDenseV1", add_norm=True),
+    # Hunyuan MoE: Hunyuan dense's layer, every MLP a mixture of 3-D experts beside a shared expert (a gated MLP).
+    "hunyuan_v1_moe": Family("HunYuanMoEV1", experts=True, add_norm=True),
+    # Qwen3-Next: Qwen3.5-MoE's text model before it, (1 + w) norms, Gated DeltaNet layers ending in a gated norm,
+    # partial RoPE on the full-attention layers, experts beside a gated shared expert.
+    "qwen3_next": Family("Qwen3Next", norm="gemma", experts=True, left_alone=(_GATED_NORM,)),
+    # DeepSeek-V2: DeepSeek-V3's layer (MLA, shared and routed experts); its MLA RoPE multiplies complex pairs of
+    # neighbours (apply_rotary_emb) on the query heads' rope part and the one shared key head.
+    "deepseek_v2": Family("DeepseekV2", experts=True, add_norm=True, rope_layout="complex_heads_first"),
+    # DeepSeek-V4: norms with fp32 weights multiplied in fp32 and rounded once (OLMo 2's rounding); everything else
+    # computes otherwise: clamped SwiGLU in the MLP and the experts, RoPE on a trailing slice of one tensor at a time
+    # (and backwards on the attention's output), hyper-connections around each sublayer instead of a residual add.
+    "deepseek_v4": Family(
+        "DeepseekV4", norm="fp32_weight", mlp=False, rope=False, in_place_norms=(),
+        left_alone=(
+            ("MLP", "clamped SwiGLU, silu(min(gate, limit)) * clamp(up, -limit, limit): not the fused silu(gate) * up"),
+            ("experts", "the same clamped SwiGLU (with transformers' loop or kernels)"),
+            ("RoPE", "applied to one tensor at a time, on the trailing rope slice of each head, and inverted on the "
+                     "attention's output: not the fused kernel's q and k together"),
+            ("unweighted RMSNorm", "the query and hyper-connection norms have no weight for the kernel to scale by"),
+        ),
+    ),
+    # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer, muP multipliers throughout (the logits'
+    # lm_head_multiplier is applied in the fused loss too); Llama's norm rounding, rotate_half RoPE.
+    "falcon_h1": Family(
+        "FalconH1", mlp=False, in_place_norms=(),
+        left_alone=(
+            ("MLP", "down(up(x) * silu(gate(x) * m_gate)) * m_down, muP multipliers inside and after the gated "
+                    "product: not the fused MLP's computation"),
+            ("Mamba mixer", "the Mamba-2 scan and its gated norm (FalconH1RMSNormGated, norm(x * silu(z)) * w): no "
+                            "fused kernel"),
+        ),
+    ),
     # Vision-language models: the language model is fused, the loss runs on the conditional generation's lm_head (the
     # labels shifted, num_items_in_batch and logits_to_keep honoured, as its ForCausalLMLoss does), and the vision
     # tower and the projector stay transformers' but for a norm of the language model's class.
@@ -220,6 +275,97 @@ FAMILIES: dict[str, Family] = {
             ("projector", "the patch mergers (the DeepStack ones too): LayerNorm and a GELU MLP, transformers' code"),
         ),
     ),
+    # Qwen2-VL: Qwen2.5-VL's language model before it (Qwen2MLP, multimodal RoPE built into cos and sin); its vision
+    # blocks normalise with LayerNorm and their MLP has no gate.
+    "qwen2_vl": Family(
+        "Qwen2VL", add_norm=True, names=(("MLP", "Qwen2MLP"), ("ForCausalLM", "Qwen2VLForConditionalGeneration")),
+        left_alone=(
+            ("vision tower", f"{_QWEN_VISION_TOWER}; its norms are LayerNorms and its MLP has no gate"),
+            ("projector", "the patch merger: LayerNorm and a GELU MLP, transformers' code"),
+        ),
+    ),
+    # Qwen3-VL-MoE: Qwen3-VL with Qwen3-MoE's layers (3-D experts; mlp_only_layers keep a dense MLP).
+    "qwen3_vl_moe": Family(
+        "Qwen3VLMoeText", add_norm=True, experts=True, names=(("ForCausalLM", "Qwen3VLMoeForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", f"{_QWEN_VISION_TOWER}; its norms are LayerNorms and its MLP has no gate"),
+            ("projector", "the patch mergers (the DeepStack ones too): LayerNorm and a GELU MLP, transformers' code"),
+        ),
+    ),
+    # Qwen3.5 and Qwen3.5-MoE with images: their language models are the text rows' classes (multimodal RoPE built
+    # into cos and sin once per forward, as Qwen3-VL's); the vision tower is Qwen3-VL's kind.
+    "qwen3_5": Family(
+        "Qwen3_5", norm="gemma", names=(("ForCausalLM", "Qwen3_5ForConditionalGeneration"),),
+        left_alone=(_GATED_NORM, *_QWEN3_VISION_SIDE),
+    ),
+    "qwen3_5_moe": Family(
+        "Qwen3_5Moe", norm="gemma", experts=True, names=(("ForCausalLM", "Qwen3_5MoeForConditionalGeneration"),),
+        left_alone=(_GATED_NORM, *_QWEN3_VISION_SIDE),
+    ),
+    # Gemma 4 with images: gemma4_text's language model under the conditional generation; the vision encoder's norms
+    # are Gemma4RMSNorm, the language model's class, fused too (those without weight run transformers' forward).
+    "gemma4": Family(
+        "Gemma4Text", norm="fp32_weight", act_attr="hidden_activation", experts=True, rope=False, text_softcap=True,
+        in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
+        names=(("RMSNorm", "Gemma4RMSNorm"), ("ForCausalLM", "Gemma4ForConditionalGeneration")),
+        left_alone=(
+            ("RoPE", "apply_rotary_pos_emb(x, cos, sin) rotates q and k one at a time, each after its norm (the vision "
+                     "encoder's 2-D RoPE too); the fused kernel takes both"),
+            ("RMSNorm without weight", "v_norm, the router's and the projector's pre-projection norm "
+                                       "(with_scale=False): no weight for the kernel to scale by"),
+            ("vision tower", "its attention and its GeGLU MLP (clippable linears) run transformers' code; its norms, "
+                             "the language model's class, run fused"),
+            ("projector", "the multimodal embedder's projection is transformers' (its norm has no weight)"),
+        ),
+    ),
+    # GLM-4V: GLM-4's sandwich layer (norms after attention and after the MLP too), one gate_up_proj; multimodal RoPE
+    # built into cos and sin once per forward, rotating neighbour pairs on half of each head. Its vision blocks and
+    # merger normalise with Glm4vRMSNorm, the language model's class, fused too.
+    "glm4v": Family(
+        "Glm4vText", fused_gate_up=True, rope_layout="interleaved_tables",
+        names=(("RMSNorm", "Glm4vRMSNorm"), ("ForCausalLM", "Glm4vForConditionalGeneration")),
+        left_alone=(
+            ("vision tower", "the vision blocks' attention (2-D RoPE, apply_rotary_pos_emb_vision) and SwiGLU MLP with "
+                             "biases run transformers' code; only their RMSNorms, the language model's class, are "
+                             "fused"),
+            ("projector", "the patch merger's convolution and MLP are transformers'"),
+        ),
+    ),
+    # GLM-4.5V (glm4v_moe): GLM-4.5's layer (Llama's layout, rotate_half partial RoPE, shared and routed experts) under
+    # GLM-4V's vision side, whose norms are a class of their own (Glm4vMoeRMSNorm, also the text model's final norm).
+    "glm4v_moe": Family(
+        "Glm4vMoeText", experts=True, add_norm=True, names=(("ForCausalLM", "Glm4vMoeForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", "the vision blocks (2-D RoPE, SwiGLU MLP with biases, Glm4vMoeRMSNorm) run transformers' "
+                             "code: patch fuses the language model"),
+            ("projector", "the patch merger's convolution and MLP are transformers'"),
+        ),
+    ),
+    # Llama 3.2 Vision (mllama): Llama's self-attention layers with cross-attention layers between them, whose norms
+    # (q and k norms too) and MLPs are the same classes, fused too; the decoder layers take the cross-attention's
+    # inputs, so the add before the MLP's norm stays transformers'.
+    "mllama": Family(
+        "MllamaText",
+        names=(("Attention", "MllamaTextSelfAttention"), ("ForCausalLM", "MllamaForConditionalGeneration")),
+        left_alone=(
+            ("vision tower", "its tiled ViT: LayerNorms, a GELU MLP without gate and no RoPE, which no fused piece "
+                             "computes"),
+            ("projector", "the multimodal projector: one linear layer"),
+        ),
+    ),
+    # MuseGlimmer: Gemma-style sandwich layers ((1 + w) norms in fp32, MuseGlimmerTextCenteredRMSNorm), SwiGLU, RoPE;
+    # its logits are scaled by the text config's output_multiplier, then soft-capped, in the fused loss too.
+    "muse_glimmer": Family(
+        "MuseGlimmerText", norm="gemma", act_attr="hidden_activation", text_softcap=True,
+        in_place_norms=("input_layernorm", "pre_feedforward_layernorm"),
+        names=(("RMSNorm", "MuseGlimmerTextCenteredRMSNorm"), ("ForCausalLM", "MuseGlimmerForConditionalGeneration")),
+        left_alone=(
+            ("MuseGlimmerRMSNorm", "the final norm (w in fp32) and the weightless q/k, embedding and perception norms "
+                                   "are another class, left as they are"),
+            ("vision tower", "its blocks (LayerNorms, GELU MLP, 2-D RoPE) run transformers' code"),
+            ("projector", "the vision adapter's GELU MLP and projection are transformers'"),
+        ),
+    ),
     # Gemma 3 with images: its language model is Gemma3TextModel, gemma3_text's classes. Gemma3ForConditionalGeneration
     # applies no final_logit_softcapping (Gemma3ForCausalLM does), and neither does its fused loss.
     "gemma3": replace(
@@ -228,6 +374,33 @@ FAMILIES: dict[str, Family] = {
             ("vision tower", "SigLIP: LayerNorms, a GELU MLP without gate and no RoPE, which no fused piece computes"),
             ("projector", "Gemma3MultiModalProjector's pooling and projection are transformers' (its mm_soft_emb_norm, "
                           "a Gemma3RMSNorm, is fused)"),
+        ),
+    ),
+    # PaliGemma with a Gemma text config (PaliGemma 1; PaliGemma 2's Gemma 2 text is refused, as LLaVA's of another
+    # family), InternVL with a Qwen2 text config, SmolVLM with a Llama one: as LLaVA, the language model is built from
+    # that text family's classes, which patching the vision-language type swaps for that family's models too.
+    "paligemma": Family(
+        "Gemma", norm="gemma", module="gemma", causal_lm_module="paligemma",
+        names=(("ForCausalLM", "PaliGemmaForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", "SigLIP: LayerNorms, a GELU MLP without gate and no RoPE, which no fused piece computes"),
+            ("projector", "PaliGemmaMultiModalProjector: one linear layer"),
+        ),
+    ),
+    "internvl": Family(
+        "Qwen2", add_norm=True, module="qwen2", causal_lm_module="internvl",
+        names=(("ForCausalLM", "InternVLForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", "InternViT: LayerNorms (or its own RMSNorm), a GELU MLP without gate and no RoPE, which "
+                             "no fused piece computes"),
+            ("projector", "pixel shuffle, LayerNorm and a GELU MLP: no gated product to fuse"),
+        ),
+    ),
+    "smolvlm": replace(
+        _LLAMA, module="llama", causal_lm_module="smolvlm", names=(("ForCausalLM", "SmolVLMForConditionalGeneration"),),
+        left_alone=(
+            ("vision tower", "SigLIP: LayerNorms, a GELU MLP without gate and no RoPE, which no fused piece computes"),
+            ("projector", "pixel shuffle and one linear layer"),
         ),
     ),
     # LLaVA with a Llama text config (LLaVA 1.5): its language model is a LlamaModel, built from llama's classes, which

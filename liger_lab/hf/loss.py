@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_lab.hf.families import causal_lm_modeling, family_row
+from liger_lab.hf.families import FAMILIES, causal_lm_modeling, family_row
 from liger_lab.hf.registry import original_of
 from liger_lab.nn.mlp import outputs_observed
 from liger_lab.ops import cross_entropy as ce_ops
@@ -175,8 +175,8 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 def _final_norm(base: nn.Module) -> tuple[nn.Module, ...]:
     """The norm whose output is the base model's last hidden state (``norm`` in every text family here, a
-    vision-language model's ``language_model.norm``), if any."""
-    for owner in (base, getattr(base, "language_model", None)):
+    vision-language model's ``language_model.norm``, SmolVLM's ``text_model.norm``), if any."""
+    for owner in (base, getattr(base, "language_model", None), getattr(base, "text_model", None)):
         norm = getattr(owner, "norm", None)
         if isinstance(norm, nn.Module):
             return (norm,)
@@ -219,9 +219,17 @@ def _loss_forward(
     # Read from the model's own config, as transformers' forward does: a vision-language model's has neither (its text
     # config may, and its ForConditionalGeneration applies neither).
     softcap = getattr(self.config, "final_logit_softcapping", None)
+    family = FAMILIES.get(getattr(self.config, "model_type", None))
+    if family is not None and family.text_softcap:  # Gemma 4's conditional generation applies its text config's
+        softcap = self.config.get_text_config().final_logit_softcapping
     logits_scaling = getattr(self.config, "logits_scaling", None)  # Granite: logits = lm_head(h) / scaling
     if logits_scaling is not None and logits_scaling != 1:
         kept, hidden = kept / logits_scaling, hidden / logits_scaling  # the same logits, by linearity
+    multiplier = getattr(self.config, "lm_head_multiplier", None)  # Falcon-H1: logits = lm_head(h) * multiplier
+    if family is not None and family.text_softcap:  # MuseGlimmer: its text config's output_multiplier, then the softcap
+        multiplier = getattr(self.config.get_text_config(), "output_multiplier", multiplier)
+    if multiplier is not None and multiplier != 1:
+        kept, hidden = kept * multiplier, hidden * multiplier
 
     head, logits = self.lm_head, None
     parts = fused_head(head) if fused else None

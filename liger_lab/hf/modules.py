@@ -40,11 +40,9 @@ from liger_lab.hf.registry import (
 )
 from liger_lab.nn.mlp import GeGLUMLP, SwiGLUMLP, outputs_observed
 from liger_lab.ops import glu as glu_ops
+from liger_lab.ops import partial_rope as partial_rope_ops
 from liger_lab.ops import rms_norm as rms_norm_ops
 from liger_lab.ops import rope as rope_ops
-
-ROPE_FUNCTION = "apply_rotary_pos_emb"
-"""The modeling module's free function that its attention calls by name, and that the dispatcher replaces."""
 
 
 def _eps(norm: nn.Module) -> float:
@@ -208,18 +206,56 @@ def _fused_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' ``apply_rotary_pos_emb`` on the fused kernel, partial rotary included (Phi-3 with
-    ``partial_rotary_factor < 1``: only the first ``cos.shape[-1]`` features of each head rotate)."""
-    rotary_dim = cos.shape[-1]
-    if rotary_dim == q.shape[-1]:
+    ``partial_rotary_factor < 1``, Qwen3.5, GLM-4.5: only the first ``cos.shape[-1]`` features of each head rotate,
+    and the kernel copies the others in the same pass, where transformers slices and concatenates)."""
+    if cos.shape[-1] == q.shape[-1]:
         q_rot, k_rot = rope_ops.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     else:
-        q_rot, k_rot = rope_ops.apply_rotary_pos_emb(
-            q[..., :rotary_dim], k[..., :rotary_dim], cos, sin, unsqueeze_dim=unsqueeze_dim
-        )
-        q_rot, k_rot = torch.cat([q_rot, q[..., rotary_dim:]], dim=-1), torch.cat([k_rot, k[..., rotary_dim:]], dim=-1)
+        _check_heads_first(unsqueeze_dim)
+        q_rot, k_rot = partial_rope_ops.partial_rope(q, k, cos, sin)
     # OLMo 2 keeps cos and sin in fp32 and rounds the rotated q and k back to their dtype (the kernel returns the
     # promoted dtype, fp32): without this a bf16 model's attention would get fp32 queries and bf16 values.
     return q_rot.to(q.dtype), k_rot.to(k.dtype)
+
+
+def _check_heads_first(unsqueeze_dim: int) -> None:
+    if unsqueeze_dim != 1:
+        raise ValueError(
+            f"unsqueeze_dim is {unsqueeze_dim}: expected 1, q and k laid out as (batch, heads, seq_len, head_dim)"
+        )
+
+
+def _fused_interleaved_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM's and GLM-4's ``apply_rotary_pos_emb`` on the fused kernel: features (2i, 2i + 1) rotate together, by the
+    angle of entry i of the first half of cos and sin (repeated for both neighbours, as transformers does: a
+    (positions x rotary_dim) table), over the first half-table-width features; the rest are copied in the same pass."""
+    _check_heads_first(unsqueeze_dim)
+    cos, sin = (table[..., : table.shape[-1] // 2].repeat_interleave(2, dim=-1) for table in (cos, sin))
+    q_rot, k_rot = partial_rope_ops.partial_rope(q, k, cos, sin, interleaved=True)
+    return q_rot.to(q.dtype), k_rot.to(k.dtype)
+
+
+def _fused_interleaved_tables_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4V's ``apply_rotary_pos_emb``: GLM's neighbour pairs over the first ``cos.shape[-1]`` features, with tables
+    that already hold each pair's angle twice in a row (its rotary embedding repeats them)."""
+    _check_heads_first(unsqueeze_dim)
+    q_rot, k_rot = partial_rope_ops.partial_rope(q, k, cos, sin, interleaved=True)
+    return q_rot.to(q.dtype), k_rot.to(k.dtype)
+
+
+def _fused_complex_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's ``apply_rotary_emb`` on the fused kernel: q and k (B, T, H, D), each pair of neighbours a complex
+    number multiplied by its ``freqs_cis`` (B, T, D/2), in fp32, rounded back to q's dtype. The kernel reads q and k
+    through their strides (no complex copies) with the real and imaginary parts as the interleaved layout's tables."""
+    cos, sin = partial_rope_ops.tables_from_complex(freqs_cis)
+    q_rot, k_rot = partial_rope_ops.partial_rope(xq.transpose(1, 2), xk.transpose(1, 2), cos, sin, interleaved=True)
+    return q_rot.transpose(1, 2).to(xq.dtype), k_rot.transpose(1, 2).to(xk.dtype)
 
 
 def _fused_half_table_rotary_pos_emb(
@@ -230,6 +266,25 @@ def _fused_half_table_rotary_pos_emb(
     hold every angle twice. The repeated tables are (positions x D) elements, against q's and k's heads x that."""
     cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     return _fused_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+def _fused_complex_heads_first_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's ``apply_rotary_emb``: Llama 4's complex pairs on q and k laid out (B, H, T, D) (MLA's rope parts
+    of the query heads and its one shared key head), ``freqs_cis`` (B, T, D/2)."""
+    cos, sin = partial_rope_ops.tables_from_complex(freqs_cis)
+    q_rot, k_rot = partial_rope_ops.partial_rope(xq, xk, cos, sin, interleaved=True)
+    return q_rot.to(xq.dtype), k_rot.to(xk.dtype)
+
+
+_FUSED_ROPE: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "rotate_half": _fused_rotary_pos_emb,
+    "interleaved": _fused_interleaved_rotary_pos_emb,
+    "interleaved_tables": _fused_interleaved_tables_rotary_pos_emb,
+    "complex": _fused_complex_rotary_emb,
+    "complex_heads_first": _fused_complex_heads_first_rotary_emb,
+}
 
 
 class _FusedRopeDepth(threading.local):
@@ -258,7 +313,7 @@ def _attention_class(family: Family, modeling: types.ModuleType, original: type)
         # Unpickled (torch.load, possibly in another process) or deep-copied: nothing else may hold the rope
         # swap for this module, so it holds it itself, until it is collected or its model unpatched.
         original.__setstate__(self, state)
-        hold(modeling, ROPE_FUNCTION, rope_dispatcher(family, modeling), self)
+        hold(modeling, family.rope_function, rope_dispatcher(family, modeling), self)
 
     return fused_subclass(original, forward, __setstate__=__setstate__)
 
@@ -270,8 +325,10 @@ def rope_dispatcher(family: Family, modeling: types.ModuleType) -> Callable[...,
     """What replaces ``modeling.apply_rotary_pos_emb``: the fused kernel inside a fused attention's
     forward, transformers' function in every other model of the family."""
     if modeling not in _DISPATCHERS:
-        original = original_of(modeling, ROPE_FUNCTION)
-        fused = _fused_half_table_rotary_pos_emb if family.rope_half_tables else _fused_rotary_pos_emb
+        original = original_of(modeling, family.rope_function)
+        fused = _FUSED_ROPE[family.rope_layout]
+        if family.rope_half_tables:
+            fused = _fused_half_table_rotary_pos_emb
 
         @functools.wraps(original)
         def apply_rotary_pos_emb(*args, **kwargs):

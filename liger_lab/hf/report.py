@@ -69,7 +69,7 @@ def report(model: nn.Module) -> PatchReport:
         left_alone["router"] = "transformers' own: top-k routing and its load-balancing loss are not fused"
     mlp = family.name("MLP")
     if not family.mlp or not any(_transformers_class(module).__name__ == mlp for module in model.modules()):
-        left_alone["MLP"] = "no dense MLP: every layer is a mixture of experts"
+        left_alone.setdefault("MLP", "no dense MLP: every layer is a mixture of experts")  # unless the row says why
     elif not replaced.get(PIECE_KINDS["MLP"].label):
         no_kernel = f"activation {activation!r} has no fused kernel"
         left_alone["MLP"] = no_kernel if gated_kernel(activation) is None else "not patched (swiglu=False?)"
@@ -121,9 +121,9 @@ the language model's class in the vision blocks or the projector (Qwen2.5-VL's, 
 
 def _vision_side(model: nn.Module) -> set[int]:
     """The ids of a vision-language model's modules outside its language model (the base model's ``language_model``,
-    under which transformers 5 puts every one of them); none for a text model."""
+    under which transformers 5 puts every one of them; SmolVLM's ``text_model``); none for a text model."""
     base = getattr(model, "model", None)
-    language_model = getattr(base, "language_model", None)
+    language_model = getattr(base, "language_model", None) or getattr(base, "text_model", None)
     if not isinstance(language_model, nn.Module):
         return set()
     inside = {id(module) for module in language_model.modules()}

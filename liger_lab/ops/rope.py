@@ -76,9 +76,12 @@ def _rotate_rows(
     sin_ptr, sin_stream_stride, sin_batch_stride, sin_seq_stride, sin_dim_stride,
     first_row, n_rows, n_heads, seq_len, section_h, section_w,
     BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, HALF: tl.constexpr, MROPE: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, ADJACENT: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
-    """Rotate rows [first_row, first_row + BLOCK_R) of one tensor (q or k), rows counted in memory order."""
+    """Rotate rows [first_row, first_row + BLOCK_R) of one tensor (q or k), rows counted in memory order.
+
+    HALF pairs rotate: features (i, i + HALF) (``rotate_half``), or (2i, 2i + 1) under ``ADJACENT``; the PASS
+    features after the 2 * HALF rotated ones (partial RoPE) are copied through, in the same pass."""
     rows = first_row + tl.arange(0, BLOCK_R)
     if HEADS_INNER:  # (B, T, H, D) memory: the heads of a position are neighbours
         head, pos = rows % n_heads, (rows // n_heads) % seq_len
@@ -89,26 +92,39 @@ def _rotate_rows(
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = (rows < n_rows)[:, None] & (cols < HALF)
 
-    cos_lo = cos_ptr + batch * cos_batch_stride + pos * cos_seq_stride + cols * cos_dim_stride
-    sin_lo = sin_ptr + batch * sin_batch_stride + pos * sin_seq_stride + cols * sin_dim_stride
+    if ADJACENT:  # pairs (2i, 2i + 1): GLM-4's interleaved RoPE, Llama 4's complex numbers
+        lo = 2 * cols
+        partner = 1
+    else:  # pairs (i, i + HALF): rotate_half
+        lo = cols
+        partner = HALF
+
+    cos_lo = cos_ptr + batch * cos_batch_stride + pos * cos_seq_stride + lo * cos_dim_stride
+    sin_lo = sin_ptr + batch * sin_batch_stride + pos * sin_seq_stride + lo * sin_dim_stride
     if MROPE != 0:  # multimodal RoPE: each feature pair takes its angle from its section's position stream
         stream = _position_stream(cols, section_h, section_w, HALF, MROPE)
         cos_lo += stream * cos_stream_stride
         sin_lo += stream * sin_stream_stride
     c1 = tl.load(cos_lo, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_lo + HALF * cos_dim_stride, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_lo + partner * cos_dim_stride, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_lo, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_lo + HALF * sin_dim_stride, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_lo + partner * sin_dim_stride, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:
         # The transpose of [[c1, -s1], [s2, c2]] is [[c1, s2], [-s1, c2]]: the forward with (-s2, -s1).
         s1, s2 = -s2, -s1
 
-    x_lo = x_ptr + batch * x_batch_stride + head * x_head_stride + pos * x_seq_stride + cols * x_dim_stride
-    y_lo = y_ptr + batch * y_batch_stride + head * y_head_stride + pos * y_seq_stride + cols * y_dim_stride
+    x_row = x_ptr + batch * x_batch_stride + head * x_head_stride + pos * x_seq_stride
+    y_row = y_ptr + batch * y_batch_stride + head * y_head_stride + pos * y_seq_stride
+    x_lo, y_lo = x_row + lo * x_dim_stride, y_row + lo * y_dim_stride
     x1 = tl.load(x_lo, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_lo + HALF * x_dim_stride, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_lo + partner * x_dim_stride, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_lo, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(y_lo + HALF * y_dim_stride, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_lo + partner * y_dim_stride, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
+    if PASS > 0:  # partial RoPE: the features after the rotated ones are the identity (forward and backward)
+        rest = 2 * HALF + tl.arange(0, BLOCK_P)[None, :]
+        rest_mask = (rows < n_rows)[:, None] & (rest < 2 * HALF + PASS)
+        kept = tl.load(x_row + rest * x_dim_stride, mask=rest_mask, other=0.0).to(tl.float32)
+        tl.store(y_row + rest * y_dim_stride, kept.to(y_ptr.dtype.element_ty), mask=rest_mask)
 
 
 @triton.jit
@@ -121,7 +137,7 @@ def _rope_kernel(
     sin_ptr, sin_stream_stride, sin_batch_stride, sin_seq_stride, sin_dim_stride,
     batch, seq_len, n_q_heads, n_k_heads, section_h, section_w,
     BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, HALF: tl.constexpr, MROPE: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, ADJACENT: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
     # The first programs take q's rows, the rest k's: one launch for both.
     program = tl.program_id(0)
@@ -134,7 +150,7 @@ def _rope_kernel(
             cos_ptr, cos_stream_stride, cos_batch_stride, cos_seq_stride, cos_dim_stride,
             sin_ptr, sin_stream_stride, sin_batch_stride, sin_seq_stride, sin_dim_stride,
             program * BLOCK_R, n_q_rows, n_q_heads, seq_len, section_h, section_w, BACKWARD, HEADS_INNER, HALF, MROPE,
-            BLOCK_R, BLOCK_D,
+            BLOCK_R, BLOCK_D, ADJACENT, PASS, BLOCK_P,
         )  # fmt: skip
     else:
         _rotate_rows(
@@ -143,7 +159,7 @@ def _rope_kernel(
             cos_ptr, cos_stream_stride, cos_batch_stride, cos_seq_stride, cos_dim_stride,
             sin_ptr, sin_stream_stride, sin_batch_stride, sin_seq_stride, sin_dim_stride,
             (program - q_programs) * BLOCK_R, n_k_rows, n_k_heads, seq_len, section_h, section_w, BACKWARD,
-            HEADS_INNER, HALF, MROPE, BLOCK_R, BLOCK_D,
+            HEADS_INNER, HALF, MROPE, BLOCK_R, BLOCK_D, ADJACENT, PASS, BLOCK_P,
         )  # fmt: skip
 
 
@@ -193,18 +209,24 @@ def rope_rotate(
     tile: RopeTile | None = None,
     mrope_section: tuple[int, int, int] | None = None,
     interleaved: bool = False,
+    rotary_dim: int | None = None,
+    adjacent_pairs: bool = False,
 ) -> None:
     """One launch: q_out, k_out = rotation of q, k (``backward=True``: its transpose). Any strides.
 
     With ``mrope_section`` (temporal, height, width feature pairs), cos and sin are multimodal RoPE's three position
     streams, (3, B or 1, T, D), and the sections pick the stream of each pair: one after another, or ``interleaved``
-    (see liger_lab/ops/mrope.py).
+    (see liger_lab/ops/mrope.py). With ``rotary_dim`` R < D (partial RoPE, liger_lab/ops/partial_rope.py) the first R
+    features rotate, by tables of R features, and the others are copied; ``adjacent_pairs`` pairs features (2i, 2i+1)
+    instead of (i, i + R/2).
     """
     batch, q_heads, seq_len, head_dim = q.shape
     k_heads = k.shape[1]
     if batch == 0 or seq_len == 0 or q_heads + k_heads == 0:
         return
-    tile = tile or rope_tile(head_dim)
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    kept = head_dim - rotary_dim
+    tile = tile or rope_tile(rotary_dim)
     # One row order for both tensors, q's memory order (any order is correct; memory order streams).
     heads_inner = q.stride(1) < q.stride(2)
     mrope = 0 if mrope_section is None else 2 if interleaved else 1
@@ -213,8 +235,9 @@ def rope_rotate(
     runtime.launch_kernel(_rope_kernel, (grid,),
         q, *_strides4(q), k, *_strides4(k), q_out, *_strides4(q_out), k_out, *_strides4(k_out),
         cos, *_angle_strides(cos), sin, *_angle_strides(sin), batch, seq_len, q_heads, k_heads, section_h, section_w,
-        BACKWARD=backward, HEADS_INNER=heads_inner, HALF=head_dim // 2, MROPE=mrope, BLOCK_R=tile.block_r,
-        BLOCK_D=tile.block_d, num_warps=tile.num_warps,
+        BACKWARD=backward, HEADS_INNER=heads_inner, HALF=rotary_dim // 2, MROPE=mrope, BLOCK_R=tile.block_r,
+        BLOCK_D=tile.block_d, ADJACENT=adjacent_pairs, PASS=kept, BLOCK_P=runtime.next_power_of_2(max(kept, 1)),
+        num_warps=tile.num_warps,
     )  # fmt: skip
 
 
