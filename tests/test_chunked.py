@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from liger_lab import runtime
-from liger_lab.ops import chunked
+from liger_lab.ops import chunked, operators
 from liger_lab.ops.chunked import ChunkGrads, Grads, Head, chunked_linear_loss, finish_grads
 from liger_lab.ops.cross_entropy import LossOptions, cross_entropy_rows
 
@@ -141,7 +141,11 @@ def test_grad_outputs_are_empty_unless_asked_for():
     hidden = torch.zeros(2, 3, 4)
     weight = torch.zeros(5, 4, dtype=torch.float16)
     outputs = chunked.grad_outputs()
-    asked = {name: allocate(hidden, weight, "fp32", [True, True, False]) for name, allocate in outputs.items()}
+
+    def launcher(hidden, weight, accumulation, needs, grad_hidden, grad_weight, grad_bias, owed): ...
+
+    made = operators.allocate_outputs(launcher, outputs, (hidden, weight, "fp32", [True, True, False]))
+    asked = dict(zip(outputs, made, strict=True))
     assert asked["grad_hidden"].shape == (6, 4) and asked["grad_bias"].numel() == 0
     assert asked["grad_weight"].shape == (5, 4) and asked["grad_weight"].dtype == torch.float32
     assert asked["owed"].shape == () and "owed" not in chunked.grad_outputs(owed=False)

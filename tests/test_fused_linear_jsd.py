@@ -10,6 +10,7 @@ from liger_lab import reference, runtime
 from liger_lab.nn import FusedLinearJSD
 from liger_lab.ops import fused_linear_jsd as fljsd_module
 from liger_lab.ops.chunked import grad_outputs
+from liger_lab.ops.operators import allocate_outputs
 from liger_lab.workbook.checks import check_against_reference, relative_l2_error
 
 N, HS, HT, V = 37, 24, 40, 1300  # the teacher wider than the student; V not a power of 2
@@ -274,13 +275,16 @@ def test_chunk_size_follows_the_memory_budget():
     assert fljsd_module.chunk_rows_for(100, 32000, bf16, bf16) == 100  # never above the row count
 
 
+STUDENT_GRADS = grad_outputs(hidden="student_hidden", weight="student_weight")
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_no_tensor_holds_the_logits_of_every_row(beta):
     """The op's work under a dispatch mode: nothing it allocates is bigger than a chunk of logits, dW or dh."""
     n, chunk, vocab = 64, 10, 300
     sh, sw, th, tw = heads(n=n, student_size=8, teacher_size=12, vocab=vocab)
     args = (sh, sw, th, tw, targets((n,)), None, beta, 2.0, -100, chunk, "fp32", [True, True, False])
-    outputs = [sh.new_empty((), dtype=torch.float32), *(allocate(*args) for allocate in grad_outputs().values())]
+    outputs = [sh.new_empty((), dtype=torch.float32), *allocate_outputs(fljsd_module._forward, STUDENT_GRADS, args)]
     with LargestNewTensor() as mode:  # the operator's work itself (a mode sees an operator's call, not inside it)
         fljsd_module._forward(*args, *outputs)
     assert mode.largest <= max(chunk * vocab, sw.numel(), sh.numel()) < n * vocab

@@ -11,7 +11,7 @@ from helpers import LargestNewTensor, OpCalls, check_op, randn
 
 import liger_lab
 from liger_lab import formulas, reference, runtime
-from liger_lab.ops import chunked, grpo
+from liger_lab.ops import chunked, grpo, operators
 
 B, T, H, V = 3, 7, 16, 40
 LOSS_TYPES = formulas.LOSS_TYPES
@@ -285,7 +285,7 @@ def _forward(hidden, weight, target, advantages, old, level, chunk):
     args = (hidden, weight, target, advantages, old, None, None, *options.arguments(), 1.0, -100, None, None, chunk,
             "fp32", [True, True, False])  # fmt: skip
     loss = hidden.new_empty((), dtype=torch.float32)
-    grpo._forward(*args, loss, *(allocate(*args) for allocate in chunked.grad_outputs().values()))
+    grpo._forward(*args, loss, *operators.allocate_outputs(grpo._forward, chunked.grad_outputs(), args))
 
 
 @pytest.mark.parametrize(

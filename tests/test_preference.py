@@ -12,7 +12,7 @@ from helpers import LargestNewTensor, check_op, randn, row_strided
 import liger_lab
 from liger_lab import formulas, reference, runtime
 from liger_lab.nn import FusedLinearDPOLoss, FusedLinearORPOLoss, FusedLinearSimPOLoss
-from liger_lab.ops import preference
+from liger_lab.ops import operators, preference
 from liger_lab.workbook.checks import check_against_reference
 
 B, T, H, V = 3, 7, 16, 1000
@@ -343,7 +343,7 @@ def test_no_tensor_holds_the_logits_of_every_pair(loss):
     options = formulas.PreferenceOptions(loss, beta=0.1, gamma=0.5, nll_weight=float(loss == "orpo"))
     args = (hidden, weight, target, *refs, None, None, None, None, *options.arguments(), -100, 2, "fp32",
             [True, True, False])  # fmt: skip
-    outputs = [allocate(*args) for allocate in preference.FUSED_LINEAR_PREFERENCE_OUTPUTS.values()]
+    outputs = operators.allocate_outputs(preference._forward, preference.FUSED_LINEAR_PREFERENCE_OUTPUTS, args)
     with LargestNewTensor() as mode:  # the operator's work itself (a mode sees an operator's call, not inside it)
         preference._forward(*args, *outputs)
     chunk_logits = 2 * 2 * seq_len * vocab  # two pairs per chunk

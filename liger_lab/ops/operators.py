@@ -217,6 +217,15 @@ def reads(allocate: Callable[..., torch.Tensor], *names: str) -> Allocator:
     return allocator
 
 
+def allocate_outputs(
+    impl: Callable[..., None], outputs: Mapping[str, Allocator], args: Sequence[object]
+) -> list[torch.Tensor]:
+    """The buffers :func:`define` would allocate for ``impl(*args, *buffers)``: each allocator handed the arguments
+    it names. For a test that runs a launcher itself (a dispatch mode sees an operator's call, not inside it)."""
+    names = list(inspect.signature(impl).parameters)[: len(args)]
+    return [_by_name(impl.__name__, output, allocate, names)(tuple(args)) for output, allocate in outputs.items()]
+
+
 def _by_name(name: str, output: str, allocate: Allocator, argument_names: list[str]) -> Callable[[tuple], torch.Tensor]:
     """``allocate`` as a function of the operator's whole argument tuple, handing it the arguments its parameters
     name (picked by index, worked out once)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -137,7 +138,11 @@ def append(rows: Sequence[dict], name: str, *, commit: str | None = None, store:
 @functools.lru_cache(maxsize=1)
 def commit() -> str | None:
     """The commit of the source tree this package runs from, ``-dirty`` after it when tracked files have changed;
-    None outside a git clone (an installed package)."""
+    None outside a git clone (an installed package). ``LIGER_LAB_COMMIT`` in the environment overrides it: a copy of
+    the tree without its history (a lent GPU machine's) names the commit it was copied from."""
+    named = os.environ.get("LIGER_LAB_COMMIT")
+    if named:
+        return named
     if not (SOURCE_TREE / ".git").exists():
         return None
 
