@@ -26,9 +26,10 @@ measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -298,8 +299,28 @@ def wrong_settings(cases: Sequence[Case]) -> dict[int, str]:
     output differs from its kernel's default (which comes first).
 
     Every case runs once before any is timed: a timed launch would leave correct outputs in memory that a later
-    launch may get back, hiding elements that launch never writes. Here each output is overwritten with NaN once
-    copied, so such elements show."""
+    launch may get back, hiding elements that launch never writes. Here every tensor a case allocates starts as NaN
+    (PyTorch's ``fill_uninitialized_memory``), and each output is overwritten with NaN once copied, so such elements
+    show whatever memory the allocator hands back."""
+    with _uninitialized_memory_filled():
+        return _wrong_settings(cases)
+
+
+@contextlib.contextmanager
+def _uninitialized_memory_filled() -> Iterator[None]:
+    """``torch.empty`` and its kin fill what they allocate (NaN for floats) inside the block."""
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    filled = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)  # the switch fill_uninitialized_memory needs
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = filled
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+
+
+def _wrong_settings(cases: Sequence[Case]) -> dict[int, str]:
     expected, wrong = {}, {}
     for index, case in enumerate(cases):
         try:
