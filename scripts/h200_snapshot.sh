@@ -29,7 +29,7 @@ run() {  # run NAME COMMAND...: the command's output to OUT/NAME.log, its time a
 }
 for part in $parts; do
     case $part in
-        tests) run "cuda-tests-$commit" python -m pytest -q -m cuda -p no:cacheprovider \
+        tests) run "cuda-tests-$commit" python -m pytest -q -rfE -m cuda -p no:cacheprovider \
             --junitxml="$out/cuda-tests-$commit.xml" tests ;;
         notebooks) mkdir -p "$out/solutions" && cp solutions/*.ipynb "$out/solutions/" \
             && run notebooks python scripts/execute_notebooks.py "$out"/solutions/*.ipynb ;;
