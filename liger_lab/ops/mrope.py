@@ -45,7 +45,7 @@ import torch
 
 from liger_lab.ops import operators
 from liger_lab.ops.common import check_float, check_same_shape, same_shape
-from liger_lab.ops.rope import _angle_grads, rope_rotate, rotated_like
+from liger_lab.ops.rope import ROTATED, ROTATED_GRADS, _angle_grads, rope_rotate
 from liger_lab.ops.rope import _check_inputs as _check_rope_inputs
 
 # The forward and backward kernels and their launcher are RoPE's: ``_rope_kernel`` under ``MROPE``, launched by
@@ -88,10 +88,7 @@ def _mrope_backward_into(
 MROPE_BACKWARD = operators.define(
     "mrope_backward",
     _mrope_backward_into,
-    outputs={
-        "dq": lambda dq_out, qk_dtype: rotated_like(dq_out, qk_dtype),
-        "dk": lambda dk_out, qk_dtype: rotated_like(dk_out, qk_dtype),
-    },
+    outputs=ROTATED_GRADS,
 )
 
 
@@ -118,10 +115,7 @@ def _backward(ctx, dq_out, dk_out):
 MROPE = operators.define(
     "mrope",
     _mrope_into,
-    outputs={
-        "q_out": lambda q, cos: rotated_like(q, torch.promote_types(q.dtype, cos.dtype)),
-        "k_out": lambda q, k, cos: rotated_like(k, torch.promote_types(q.dtype, cos.dtype)),
-    },
+    outputs=ROTATED,
     setup_context=_setup_context,
     backward=_backward,
 )

@@ -40,7 +40,7 @@ import torch
 from liger_lab import reference, runtime
 from liger_lab.ops import operators
 from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape, same_shape
-from liger_lab.ops.rope import rope_rotate, rotated_like
+from liger_lab.ops.rope import ROTATED, ROTATED_GRADS, rope_rotate
 
 
 def _angle_grads(
@@ -83,10 +83,7 @@ def _partial_rope_backward_into(
 PARTIAL_ROPE_BACKWARD = operators.define(
     "partial_rope_backward",
     _partial_rope_backward_into,
-    outputs={
-        "dq": lambda dq_out, qk_dtype: rotated_like(dq_out, qk_dtype),
-        "dk": lambda dk_out, qk_dtype: rotated_like(dk_out, qk_dtype),
-    },
+    outputs=ROTATED_GRADS,
 )
 
 
@@ -109,10 +106,7 @@ def _backward(ctx, dq_out, dk_out):
 PARTIAL_ROPE = operators.define(
     "partial_rope",
     _partial_rope_into,
-    outputs={
-        "q_out": lambda q, cos: rotated_like(q, torch.promote_types(q.dtype, cos.dtype)),
-        "k_out": lambda q, k, cos: rotated_like(k, torch.promote_types(q.dtype, cos.dtype)),
-    },
+    outputs=ROTATED,
     setup_context=_setup_context,
     backward=_backward,
 )

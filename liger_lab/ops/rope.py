@@ -269,6 +269,19 @@ def rotated_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_like(x, dtype=dtype)
 
 
+ROTATED = {
+    "q_out": lambda q, cos: rotated_like(q, torch.promote_types(q.dtype, cos.dtype)),
+    "k_out": lambda q, k, cos: rotated_like(k, torch.promote_types(q.dtype, cos.dtype)),
+}
+"""The outputs of every rotation operator (this one, mRoPE's, partial RoPE's), read by name from their arguments
+``q``, ``k``, ``cos``: q and k rotated, in the dtype q and the tables promote to."""
+ROTATED_GRADS = {
+    "dq": lambda dq_out, qk_dtype: rotated_like(dq_out, qk_dtype),
+    "dk": lambda dk_out, qk_dtype: rotated_like(dk_out, qk_dtype),
+}
+"""The outputs of every rotation's backward operator: dq and dk in q's dtype (``qk_dtype``)."""
+
+
 def _rope_into(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor
 ) -> None:
@@ -287,10 +300,7 @@ def _rope_backward_into(
 ROPE_BACKWARD = operators.define(
     "rope_backward",
     _rope_backward_into,
-    outputs={
-        "dq": lambda dq_out, qk_dtype: rotated_like(dq_out, qk_dtype),
-        "dk": lambda dk_out, qk_dtype: rotated_like(dk_out, qk_dtype),
-    },
+    outputs=ROTATED_GRADS,
 )
 
 
@@ -313,10 +323,7 @@ def _backward(ctx, dq_out, dk_out):
 ROPE = operators.define(
     "rope",
     _rope_into,
-    outputs={
-        "q_out": lambda q, cos: rotated_like(q, torch.promote_types(q.dtype, cos.dtype)),
-        "k_out": lambda q, k, cos: rotated_like(k, torch.promote_types(q.dtype, cos.dtype)),
-    },
+    outputs=ROTATED,
     setup_context=_setup_context,
     backward=_backward,
 )
