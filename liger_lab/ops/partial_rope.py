@@ -37,10 +37,9 @@ from __future__ import annotations
 
 import torch
 
-from liger_lab import reference, runtime
+from liger_lab import reference
 from liger_lab.ops import operators
-from liger_lab.ops.common import check_float, check_same_dtype, check_same_shape, same_shape
-from liger_lab.ops.rope import ROTATED, ROTATED_GRADS, rope_rotate
+from liger_lab.ops.rope import ROTATED, ROTATED_GRADS, check_rotation_inputs, rope_rotate
 
 
 def _angle_grads(
@@ -115,39 +114,13 @@ PARTIAL_ROPE = operators.define(
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: object) -> None:
     if not isinstance(interleaved, bool):
         raise ValueError(f"interleaved is {interleaved!r}: expected True or False")
-    for name, tensor in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        check_float(name, tensor)
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(
-            f"q has shape {tuple(q.shape)} and k {tuple(k.shape)}: expected 4-D (batch, heads, seq_len, head_dim)"
-        )
-    batch, _, seq_len, head_dim = q.shape
-    if k.shape[0] != batch or not same_shape(k.shape[2:], q.shape[2:]):
-        raise ValueError(
-            f"q has shape {tuple(q.shape)} and k {tuple(k.shape)}: expected the same batch, seq_len and head_dim "
-            "(only the number of heads may differ)"
-        )
-    if head_dim > runtime.MAX_ROW_SIZE:
-        raise ValueError(f"head_dim is {head_dim}: expected at most {runtime.MAX_ROW_SIZE}")
-    check_same_dtype(q=q, k=k)
-    check_same_dtype(cos=cos, sin=sin)
-    check_same_shape(cos=cos, sin=sin)
-    # Sizes compared with ==, no membership test (see common.same_shape): under torch.compile they are symbolic.
-    angle_batch_ok = cos.dim() == 3 and (cos.shape[0] == 1 or cos.shape[0] == batch)
-    if not angle_batch_ok or not same_shape(cos.shape[1:2], (seq_len,)):
-        raise ValueError(
-            f"cos and sin have shape {tuple(cos.shape)}: expected ({batch} or 1, {seq_len}, rotary_dim) = "
-            "(batch or 1, seq_len, rotary_dim) to match q"
-        )
+    head_dim = check_rotation_inputs(q, k, cos, sin, whole_head=False)
     rotary_dim = cos.shape[-1]
     if rotary_dim % 2 == 1 or rotary_dim < 2 or rotary_dim > head_dim:
         raise ValueError(
             f"cos and sin have {rotary_dim} features: expected an even rotary_dim from 2 to head_dim = {head_dim} "
             "(RoPE rotates pairs of the first rotary_dim features)"
         )
-    devices = {t.device for t in (q, k, cos, sin)}
-    if len(devices) > 1:
-        raise ValueError(f"q, k, cos and sin are on {sorted(map(str, devices))}: expected one device")
 
 
 def partial_rope(

@@ -330,6 +330,19 @@ ROPE = operators.define(
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    head_dim = check_rotation_inputs(q, k, cos, sin, whole_head=True)
+    if head_dim % 2:
+        raise ValueError(f"head_dim is {head_dim}: expected an even number (RoPE rotates pairs of features)")
+
+
+def check_rotation_inputs(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, whole_head: bool
+) -> int:
+    """What every rotation (RoPE, partial RoPE) asks of its inputs, a ``ValueError`` otherwise: float q and k of
+    shape (batch, heads, seq_len, head_dim) that differ only in heads, one dtype each for q and k and for the
+    tables, cos and sin of one shape (batch or 1, seq_len, features), one device. ``whole_head``: the tables have
+    head_dim features (RoPE); otherwise how many (partial RoPE's rotary_dim) is the caller's to check. Returns
+    head_dim."""
     for name, tensor in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         check_float(name, tensor)
     if q.dim() != 4 or k.dim() != 4:
@@ -342,8 +355,6 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
             f"q has shape {tuple(q.shape)} and k {tuple(k.shape)}: expected the same batch, seq_len and head_dim "
             "(only the number of heads may differ)"
         )
-    if head_dim % 2:
-        raise ValueError(f"head_dim is {head_dim}: expected an even number (RoPE rotates pairs of features)")
     if head_dim > runtime.MAX_ROW_SIZE:
         raise ValueError(f"head_dim is {head_dim}: expected at most {runtime.MAX_ROW_SIZE}")
     check_same_dtype(q=q, k=k)
@@ -351,14 +362,17 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     check_same_shape(cos=cos, sin=sin)
     # Sizes compared with ==, no membership test (see common.same_shape): under torch.compile they are symbolic.
     angle_batch_ok = cos.dim() == 3 and (cos.shape[0] == 1 or cos.shape[0] == batch)
-    if not angle_batch_ok or not same_shape(cos.shape[1:], (seq_len, head_dim)):
+    features, name = (head_dim, "head_dim") if whole_head else (None, "rotary_dim")
+    expected = (seq_len,) if features is None else (seq_len, features)
+    if not angle_batch_ok or not same_shape(cos.shape[1 : 1 + len(expected)], expected):
         raise ValueError(
-            f"cos and sin have shape {tuple(cos.shape)}: expected ({batch} or 1, {seq_len}, {head_dim}) = "
-            "(batch or 1, seq_len, head_dim) to match q"
+            f"cos and sin have shape {tuple(cos.shape)}: expected ({batch} or 1, {seq_len}, {features or name}) = "
+            f"(batch or 1, seq_len, {name}) to match q"
         )
     devices = {t.device for t in (q, k, cos, sin)}
     if len(devices) > 1:
         raise ValueError(f"q, k, cos and sin are on {sorted(map(str, devices))}: expected one device")
+    return head_dim
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
