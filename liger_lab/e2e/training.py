@@ -199,7 +199,9 @@ def train(
     run, weights and optimizer states included; None on CPU), losses (every step, warm-up ones first,
     5 digits), loss0 (first step) and loss_last, compile_s (wall time of the first warm-up step: where
     torch.compile traces and generates code in a ``+compile`` mode, and Triton compiles the kernels it
-    launches; None without warm-up), or ``"oom": True`` when the GPU ran out of memory.
+    launches; None without warm-up), ms_per_step and host_ms_per_step (the process's CPU time, every thread, over
+    the timed steps), gpu_ms_per_step (the kernel sum of two more steps under the profiler, after the timed ones;
+    None on CPU), or ``"oom": True`` when the GPU ran out of memory.
 
     A ``+compile`` mode always has at least one warm-up step, so compilation is never timed; its row
     also says how many graphs were compiled (``graphs``), how many of them during the timed steps
