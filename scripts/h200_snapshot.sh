@@ -6,15 +6,18 @@
 # PART is any of: tests notebooks ops e2e lengths e2e-1.5b head trl (default: all, in that order). Each part
 # writes its rows (JSON, for `python -m benchmarks.import_results`) and its log to OUT_DIR and goes on after a
 # failure; the exit code says whether any part failed. On a machine that keeps no git history set LIGER_LAB_COMMIT
-# so every row names the commit measured. Back on the checkout: copy the JSON files to benchmarks/results/, import
-# them, name them in benchmarks/readme_table.py and run it; copy the executed notebooks to solutions/ and run
-# `python -m liger_lab.chapters`.
+# so every row names the commit measured; PYTEST_WORKERS sets how many pytest workers share the GPU (default 6).
+# Back on the checkout: copy the JSON files to benchmarks/results/, import them, name them in
+# benchmarks/readme_table.py and run it; copy the executed notebooks to solutions/ and run
+# `python -m liger_lab.workbook.chapters`.
 set -u
 out=${1:?usage: h200_snapshot.sh OUT_DIR [PART ...]}
 shift
 parts=${*:-tests notebooks ops e2e lengths e2e-1.5b head trl}
 commit=${LIGER_LAB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export LIGER_LAB_COMMIT=$commit
+# The cuda tests are small next to the GPU: several pytest workers share it (pytest-xdist). Timed parts run alone.
+workers=${PYTEST_WORKERS:-6}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv > "$out/gpu-$commit.csv"
 failed=0
@@ -29,7 +32,7 @@ run() {  # run NAME COMMAND...: the command's output to OUT/NAME.log, its time a
 }
 for part in $parts; do
     case $part in
-        tests) run "cuda-tests-$commit" python -m pytest -q -rfE -m cuda -p no:cacheprovider \
+        tests) run "cuda-tests-$commit" python -m pytest -q -rfE -m cuda -p no:cacheprovider -n "$workers" \
             --junitxml="$out/cuda-tests-$commit.xml" tests ;;
         notebooks) mkdir -p "$out/solutions" && cp solutions/*.ipynb "$out/solutions/" \
             && run notebooks python scripts/execute_notebooks.py "$out"/solutions/*.ipynb ;;
