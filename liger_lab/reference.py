@@ -29,18 +29,13 @@ def rms_norm(
 
 
 def add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-6,
-    *,
-    offset: float = 0.0,
-    casting_mode: str = "llama",
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, **options: object
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm decoder's residual add and the norm after it: ``s = x + residual`` in the inputs' dtype (the
-    residual stream, ``hidden = residual + hidden``), then ``(rms_norm(s), s)``."""
+    residual stream, ``hidden = residual + hidden``), then ``(rms_norm(s), s)`` with :func:`rms_norm`'s keyword
+    ``options``."""
     s = x + residual
-    return rms_norm(s, weight, eps, offset=offset, casting_mode=casting_mode), s
+    return rms_norm(s, weight, eps, **options), s
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
