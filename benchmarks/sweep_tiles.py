@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 import liger_lab  # noqa: F401  (chooses GPU or interpreter before triton is imported)
-from liger_lab import profiling, runtime
+from liger_lab import formulas, profiling, runtime
 from liger_lab.op_table import OPS as TABLE
 from liger_lab.ops import cross_entropy, glu, jsd, layer_norm, rms_norm, rope
 from liger_lab.workbook import results
@@ -182,7 +182,7 @@ def cross_entropy_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> 
     """The default call's kernel: loss and gradient into a fresh buffer, the mean's 1/n read on the GPU."""
     shape, (logits, target) = table_inputs("cross_entropy", quick, dtype)
     n_rows, vocab = shape
-    options = cross_entropy.LossOptions()
+    options = formulas.LossOptions()
     counts = cross_entropy.count_targets(target, vocab, options.ignore_index)
     loss, grad = torch.empty(n_rows, device=logits.device), torch.empty_like(logits)
 

@@ -40,6 +40,73 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# Cross-entropy and the JSD: their options, with the public functions' defaults
+
+
+def check_ignore_index(ignore_index: int) -> int:
+    """The target value of the rows a loss skips: an int in the int64 range (the kernels compare it as one)."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or not -(2**63) <= ignore_index < 2**63:
+        raise ValueError(f"ignore_index is {ignore_index!r}: expected an int in the int64 range")
+    return ignore_index
+
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """Cross-entropy's options with :func:`liger_lab.cross_entropy`'s defaults: every cross-entropy kernel call and
+    the float64 reference (:func:`liger_lab.reference.cross_entropy`) read a call through this, validated by
+    :func:`check_loss_options`."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    reduction: str = "mean"
+    softcap: float | None = None
+    z_loss_scale: float = 0.0
+
+    def fields(self) -> tuple[int, float, str, float | None, float]:
+        """The fields in the operators' order (spelled out: ``dataclasses.astuple`` copies deeply, on every call)."""
+        return self.ignore_index, self.label_smoothing, self.reduction, self.softcap, self.z_loss_scale
+
+
+def check_loss_options(options: LossOptions) -> None:
+    """A ValueError naming the first option out of its range."""
+    check_ignore_index(options.ignore_index)
+    if not 0.0 <= options.label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing is {options.label_smoothing}: expected a number in [0, 1]")
+    if options.reduction not in REDUCTIONS:
+        raise ValueError(f"reduction is {options.reduction!r}: expected one of {REDUCTIONS}")
+    if options.softcap is not None and not 0 < options.softcap < math.inf:
+        raise ValueError(f"softcap is {options.softcap}: expected None or a positive finite number")
+    if not 0 <= options.z_loss_scale < math.inf:
+        raise ValueError(f"z_loss_scale is {options.z_loss_scale}: expected a non-negative finite number")
+
+
+@dataclass(frozen=True)
+class JSDOptions:
+    """The generalized JSD's options (``beta`` and ``temperature`` as TRL's GKD trainer names them) with
+    :func:`liger_lab.jsd`'s defaults: the kernels and the float64 reference (:func:`liger_lab.reference.jsd`) read a
+    call through :meth:`checked`."""
+
+    beta: float = 0.5
+    temperature: float = 1.0
+    ignore_index: int = -100
+
+    def checked(self) -> JSDOptions:
+        """Validated (ValueError naming the option): ``beta`` in [0, 1], ``temperature`` positive and finite,
+        ``ignore_index`` an int64; the numbers as floats."""
+        for name, value in (("beta", self.beta), ("temperature", self.temperature)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} is {value!r}: expected a number")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta is {self.beta}: expected a number in [0, 1] (0: forward KL, 1: reverse KL)")
+        if not 0.0 < self.temperature < math.inf:
+            raise ValueError(f"temperature is {self.temperature}: expected a positive finite number")
+        return JSDOptions(float(self.beta), float(self.temperature), check_ignore_index(self.ignore_index))
+
+
+# --------------------------------------------------------------------------------------------------
 # Formulas the kernels and the reference both evaluate
 
 

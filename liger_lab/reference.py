@@ -78,40 +78,35 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def cross_entropy(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
-    softcap: float | None = None,
-    z_loss_scale: float = 0.0,
-) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, **options: object) -> torch.Tensor:
     """Token-level cross-entropy with optional tanh softcap of the logits and z-loss on log-sum-exp.
 
     logits (..., V), target (...). Math in fp32 (or fp64 for fp64 input); the mean is over
     non-ignored tokens and is 0 when every token is ignored. The loss dtype is the logits' dtype
-    (like ``torch.nn.functional.cross_entropy``).
+    (like ``torch.nn.functional.cross_entropy``). The keyword ``options`` are :class:`liger_lab.formulas.LossOptions`'
+    fields (``ignore_index``, ``label_smoothing``, ``reduction``, ``softcap``, ``z_loss_scale``), with the kernel's
+    defaults and checked as the kernel checks them.
     """
+    o = formulas.LossOptions(**options)
+    formulas.check_loss_options(o)
     compute_dtype = torch.promote_types(logits.dtype, torch.float32)
     z = logits.reshape(-1, logits.shape[-1]).to(compute_dtype)
     t = target.reshape(-1)
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    keep = t != ignore_index
+    if o.softcap is not None:
+        z = o.softcap * torch.tanh(z / o.softcap)
+    keep = t != o.ignore_index
     safe_t = torch.where(keep, t, torch.zeros_like(t))
     lse = torch.logsumexp(z, dim=-1)
     nll = lse - z.gather(1, safe_t[:, None]).squeeze(1)
-    if label_smoothing > 0:
+    if o.label_smoothing > 0:
         smooth = lse - z.mean(dim=-1)
-        nll = (1 - label_smoothing) * nll + label_smoothing * smooth
-    loss = nll + z_loss_scale * lse.pow(2)
+        nll = (1 - o.label_smoothing) * nll + o.label_smoothing * smooth
+    loss = nll + o.z_loss_scale * lse.pow(2)
     loss = torch.where(keep, loss, torch.zeros_like(loss))
-    if reduction == "none":
+    if o.reduction == "none":
         return loss.reshape(target.shape).to(logits.dtype)
     total = loss.sum()
-    if reduction == "mean":
+    if o.reduction == "mean":
         total = total / keep.sum().clamp(min=1)
     return total.to(logits.dtype)
 
@@ -133,10 +128,8 @@ def jsd(
     teacher_logits: torch.Tensor,
     target: torch.Tensor | None = None,
     *,
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
     num_items_in_batch: torch.Tensor | float | None = None,
+    **options: object,
 ) -> torch.Tensor:
     """Generalized Jensen-Shannon divergence of TRL's GKD trainer (``generalized_jsd_loss``).
 
@@ -145,8 +138,12 @@ def jsd(
     over rows whose target is not ``ignore_index`` (every row when ``target`` is None); no T**2 factor.
     Every row ignored gives 0, with a zero gradient. ``num_items_in_batch``: the sum over the kept rows divided by
     it instead, unclamped (TRL's ``jsd_sum / num_items_in_batch``). The teacher is a constant (detached). Math in
-    fp32, or fp64 when either input is fp64; the loss has that dtype (float32 for fp32/fp16/bf16 logits).
+    fp32, or fp64 when either input is fp64; the loss has that dtype (float32 for fp32/fp16/bf16 logits). The keyword
+    ``options`` are :class:`liger_lab.formulas.JSDOptions`' fields (``beta``, ``temperature``, ``ignore_index``), with
+    the kernel's defaults and checked as the kernel checks them.
     """
+    o = formulas.JSDOptions(**options).checked()
+    beta, temperature, ignore_index = o.beta, o.temperature, o.ignore_index
     compute_dtype = torch.promote_types(torch.promote_types(student_logits.dtype, teacher_logits.dtype), torch.float32)
     vocab = student_logits.shape[-1]
     s = student_logits.reshape(-1, vocab).to(compute_dtype) / temperature

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from liger_lab import runtime
+from liger_lab.formulas import LossOptions
 from liger_lab.ops import chunked, operators
 from liger_lab.ops.chunked import ChunkGrads, Grads, Head, chunked_linear_loss, finish_grads
-from liger_lab.ops.cross_entropy import LossOptions, cross_entropy_rows
+from liger_lab.ops.cross_entropy import cross_entropy_rows
 
 OPTIONS = LossOptions(ignore_index=-100, label_smoothing=0.0, reduction="mean", softcap=None, z_loss_scale=0.0)
 

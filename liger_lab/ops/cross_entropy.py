@@ -40,13 +40,14 @@ the gradient still owes are plain torch code around them (:func:`finish_loss`). 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from liger_lab import runtime
+from liger_lab.formulas import LossOptions, check_loss_options
 from liger_lab.ops import operators
 from liger_lab.ops.common import as_rows, check_float, in_place_requested, row_count, rows_to_overwrite
 from liger_lab.ops.forward_grad import (
@@ -56,8 +57,6 @@ from liger_lab.ops.forward_grad import (
     scaled_gradient,
 )
 from liger_lab.ops.logsumexp import online_lse_step
-
-REDUCTIONS = ("mean", "sum", "none")
 
 
 @triton.jit
@@ -173,35 +172,6 @@ def _count_targets_kernel(target_ptr, n, ignore_index, n_classes, counts_ptr, BL
     tl.store(counts_ptr + 1, tl.sum(bad_count, axis=0))
     tl.store(counts_ptr + 2, tl.min(smallest, axis=0))
     tl.store(counts_ptr + 3, tl.max(largest, axis=0))
-
-
-@dataclass(frozen=True)
-class LossOptions:
-    """The options every cross-entropy kernel call shares (validated by :func:`check_loss_options`)."""
-
-    ignore_index: int = -100
-    label_smoothing: float = 0.0
-    reduction: str = "mean"
-    softcap: float | None = None
-    z_loss_scale: float = 0.0
-
-    def fields(self) -> tuple[int, float, str, float | None, float]:
-        """The fields in the operators' order (spelled out: ``dataclasses.astuple`` copies deeply, on every call)."""
-        return self.ignore_index, self.label_smoothing, self.reduction, self.softcap, self.z_loss_scale
-
-
-def check_loss_options(options: LossOptions) -> None:
-    index = options.ignore_index
-    if isinstance(index, bool) or not isinstance(index, int) or not -(2**63) <= index < 2**63:
-        raise ValueError(f"ignore_index is {index!r}: expected an int in the int64 range")
-    if not 0.0 <= options.label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing is {options.label_smoothing}: expected a number in [0, 1]")
-    if options.reduction not in REDUCTIONS:
-        raise ValueError(f"reduction is {options.reduction!r}: expected one of {REDUCTIONS}")
-    if options.softcap is not None and not 0 < options.softcap < math.inf:
-        raise ValueError(f"softcap is {options.softcap}: expected None or a positive finite number")
-    if not 0 <= options.z_loss_scale < math.inf:
-        raise ValueError(f"z_loss_scale is {options.z_loss_scale}: expected a non-negative finite number")
 
 
 def check_target_tensor(target: torch.Tensor, expected_shape: torch.Size) -> None:

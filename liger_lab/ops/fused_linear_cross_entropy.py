@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import torch
 
+from liger_lab.formulas import LossOptions, check_loss_options
 from liger_lab.ops import chunked
 
 # Chapter 6 teaches the dW accumulation as this op's, and the HF layer checks its chunk options here.
@@ -75,8 +76,6 @@ from liger_lab.ops.chunked import (
 from liger_lab.ops.chunked import check_chunk_options
 from liger_lab.ops.common import in_place_requested, rows_to_overwrite
 from liger_lab.ops.cross_entropy import (
-    LossOptions,
-    check_loss_options,
     check_target,
     check_target_tensor,
     count_targets,

@@ -50,8 +50,9 @@ from __future__ import annotations
 
 import torch
 
+from liger_lab.formulas import JSDOptions
 from liger_lab.ops import chunked
-from liger_lab.ops.jsd import check_jsd_options, check_num_items, check_target, jsd_rows, kept_rows
+from liger_lab.ops.jsd import check_num_items, check_target, jsd_rows, kept_rows
 from liger_lab.ops.operators import define
 
 CHUNK_BUDGET_BYTES = 832 * chunked.MIB
@@ -167,7 +168,8 @@ def fused_linear_jsd(
     rows per chunk derived from :data:`CHUNK_BUDGET_BYTES`; ``accumulation`` ("auto", "fp32", "weight_dtype";
     default that of :func:`liger_lab.fused_linear_cross_entropy`) picks how the student's dW is summed over chunks.
     """
-    beta, temperature = check_jsd_options(beta, temperature, ignore_index)
+    o = JSDOptions(beta, temperature, ignore_index).checked()
+    beta, temperature = o.beta, o.temperature
     _check_inputs(student_hidden, student_weight, teacher_hidden, teacher_weight, target)
     accumulation = chunked.check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
     num_items = check_num_items(num_items_in_batch, student_hidden.device)

@@ -75,11 +75,12 @@ from liger_lab.formulas import (  # noqa: F401  (chapter 14 reads them here)
     LOSS_TYPES,
     GRPOOptions,
     TRLOptions,
+    check_ignore_index,
     check_number,
     loss_from_logps,
 )
 from liger_lab.ops import chunked
-from liger_lab.ops.cross_entropy import LossOptions, check_loss_options, check_target, check_target_tensor
+from liger_lab.ops.cross_entropy import check_target, check_target_tensor
 from liger_lab.ops.fused_linear_cross_entropy import chunk_rows
 from liger_lab.ops.logprobs import fused_linear_logprobs, logprob_grad_rows, logprob_rows
 from liger_lab.ops.operators import define
@@ -298,7 +299,7 @@ def fused_linear_grpo(
     NaN. The caller's tensors are never modified.
     """
     o = GRPOOptions.checked(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
-    check_loss_options(LossOptions(ignore_index=ignore_index))
+    check_ignore_index(ignore_index)
     temperature = check_number("temperature", temperature, positive=True)
     chunked.check_head(hidden, weight, layout=f"(B, T, H), {COMPLETIONS}")
     check_target_tensor(target, hidden.shape[:-1])

@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
+from liger_lab.formulas import JSDOptions
 from liger_lab.ops import operators
 from liger_lab.ops.common import as_rows, check_float, row_count
 from liger_lab.ops.forward_grad import refuse_second_derivative, save_gradient, scaled_gradient
@@ -342,20 +343,6 @@ class JSDFunction(torch.autograd.Function):
         return scaled_gradient(ctx, grad_loss), *(None,) * 6
 
 
-def check_jsd_options(beta: float, temperature: float, ignore_index: int) -> tuple[float, float]:
-    """``beta`` in [0, 1], ``temperature`` positive and finite, ``ignore_index`` an int64; returns them as floats."""
-    for name, value in (("beta", beta), ("temperature", temperature)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{name} is {value!r}: expected a number")
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta is {beta}: expected a number in [0, 1] (0: forward KL, 1: reverse KL)")
-    if not 0.0 < temperature < math.inf:
-        raise ValueError(f"temperature is {temperature}: expected a positive finite number")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or not -(2**63) <= ignore_index < 2**63:
-        raise ValueError(f"ignore_index is {ignore_index!r}: expected an int in the int64 range")
-    return float(beta), float(temperature)
-
-
 def check_num_items(num_items_in_batch: object, device: torch.device) -> torch.Tensor | None:
     """TRL's ``num_items_in_batch`` as an fp32 scalar on ``device``, or None: a positive finite number (filled on the
     device, no copy that would wait for it) or a one-element real tensor there (its value is not read: on the GPU
@@ -422,7 +409,8 @@ def jsd(
     requires grad). The gradient is made in the forward into a new buffer of the student's size; the
     caller's tensors are never modified, and the graph can be backpropagated once.
     """
-    beta, temperature = check_jsd_options(beta, temperature, ignore_index)
+    o = JSDOptions(beta, temperature, ignore_index).checked()
+    beta, temperature = o.beta, o.temperature
     check_float("student_logits", student_logits)
     check_float("teacher_logits", teacher_logits)
     if student_logits.dim() == 0 or student_logits.shape[-1] == 0:

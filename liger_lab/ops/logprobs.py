@@ -78,9 +78,9 @@ import triton
 import triton.language as tl
 
 from liger_lab import runtime
-from liger_lab.formulas import HEAD_OUTPUTS, check_number, head_outputs
+from liger_lab.formulas import HEAD_OUTPUTS, check_ignore_index, check_number, head_outputs
 from liger_lab.ops import chunked
-from liger_lab.ops.cross_entropy import LossOptions, check_loss_options, check_target, check_target_tensor
+from liger_lab.ops.cross_entropy import check_target, check_target_tensor
 from liger_lab.ops.fused_linear_cross_entropy import chunk_rows
 from liger_lab.ops.operators import define
 
@@ -516,7 +516,7 @@ def fused_linear_logprobs(
     ValueError; so does a target out of range in the interpreter, while on the GPU, which checks it without making
     the host wait, it makes every output and the gradients NaN. The caller's tensors are never modified.
     """
-    check_loss_options(LossOptions(ignore_index=ignore_index))
+    check_ignore_index(ignore_index)
     temperature = check_number("temperature", temperature, positive=True)
     names = head_outputs(entropy, outputs)
     softcap = None if softcap is None else check_number("softcap", softcap, positive=True)

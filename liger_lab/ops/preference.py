@@ -121,8 +121,10 @@ import torch.nn.functional as F
 from liger_lab import runtime
 from liger_lab.formulas import (
     ORPO_MAX_AVG_LOGP,
+    LossOptions,
     PreferenceOptions,
     averages,
+    check_ignore_index,
     check_number,
     cpo_options,
     dpo_options,
@@ -134,8 +136,6 @@ from liger_lab.formulas import (
 )
 from liger_lab.ops import chunked
 from liger_lab.ops.cross_entropy import (
-    LossOptions,
-    check_loss_options,
     check_target,
     check_target_tensor,
     nan_if_out_of_range,
@@ -521,7 +521,7 @@ def _preference(o, hidden, weight, target, *, ref=(None, None, None), label=None
     """Validate what every loss shares (ValueError before any work), then run the operator under autograd. Returns
     the loss, or with ``return_logps`` (loss, the sequences' scores (N,), the reference's logp (N,)) for an unpaired
     loss, (loss, chosen scores, rejected scores[, reference chosen, reference rejected for DPO]) for a paired one."""
-    check_loss_options(LossOptions(ignore_index=ignore_index))
+    check_ignore_index(ignore_index)
     paired = group_size(o.loss) == 2
     layout = PAIRED_LAYOUT if paired else UNPAIRED_LAYOUT
     chunked.check_head(hidden, weight, layout=layout)
