@@ -135,9 +135,9 @@ def norm_launchers(op: str, inputs: list) -> NormLaunchers:
         )
     if op == "add_rms_norm":
         residual, ds = named["residual"].reshape(x.shape), torch.randn_like(x)
-        _, s, rstd = rms_norm.add_rms_norm_forward(x, residual, weight, EPS, 0.0, "llama")
+        _, s, rstd = rms_norm.rms_norm_forward(x, weight, EPS, 0.0, "llama", residual=residual)
         return NormLaunchers(
-            lambda launch: rms_norm.add_rms_norm_forward(x, residual, weight, EPS, 0.0, "llama", launch=launch),
+            lambda launch: rms_norm.rms_norm_forward(x, weight, EPS, 0.0, "llama", residual=residual, launch=launch),
             lambda launch: rms_norm.rms_norm_backward(dy, s, weight, rstd, 0.0, ds=ds, launch=launch),
             runtime.row_launch(*x.shape),
             rms_norm.backward_launch(dy, s, ds),

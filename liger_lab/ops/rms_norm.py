@@ -180,28 +180,17 @@ def rms_norm_forward(
     offset: float,
     casting_mode: str,
     *,
+    residual: torch.Tensor | None = None,
     launch: runtime.RowLaunch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward on a 2-D row view. Returns (y, rstd). ``launch``: the tiling (a sweep passes its own)."""
+) -> tuple[torch.Tensor, ...]:
+    """Launch the forward on a 2-D row view. Returns (y, rstd); with ``residual`` (x's shape and dtype) the fused
+    add, (y, s, rstd) with s = x + residual. ``launch``: the tiling (a sweep passes its own)."""
     y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, casting_mode))
     rstd = x.new_empty(x.shape[0], dtype=torch.float32)
-    _launch_forward(rows_of(x), weight, eps, offset, casting_mode, y, rstd, launch=launch)
-    return y, rstd
-
-
-def add_rms_norm_forward(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    offset: float,
-    casting_mode: str,
-    *,
-    launch: runtime.RowLaunch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the fused add + norm on 2-D row views of one shape and dtype. Returns (y, s, rstd)."""
-    y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, casting_mode))
-    s, rstd = x.new_empty(x.shape), x.new_empty(x.shape[0], dtype=torch.float32)
+    if residual is None:
+        _launch_forward(rows_of(x), weight, eps, offset, casting_mode, y, rstd, launch=launch)
+        return y, rstd
+    s = x.new_empty(x.shape)
     _launch_forward(rows_of(x), weight, eps, offset, casting_mode, y, rstd, rows_of(residual), s, launch=launch)
     return y, s, rstd
 
