@@ -1126,34 +1126,16 @@ def _write(result: DoctorResult, plan: Plan, say: Callable[[str], None]) -> None
 
 
 def doctor(
-    model: str | os.PathLike,
-    *,
-    batch: int | None = None,
-    seq: int | None = None,
-    dtype: str | torch.dtype | None = None,
-    steps: int | None = None,
-    max_batch: int | None = None,
-    json_path: str | os.PathLike | None = None,
-    plot_path: str | os.PathLike | None = None,
-    progress: Callable[[str], None] | None = print,
+    model: str | os.PathLike, *, progress: Callable[[str], None] | None = print, **settings: Any
 ) -> DoctorResult:
-    """Profile, patch, check and train ``model`` (a local model directory or a ``config.json``) at ``batch`` x
-    ``seq`` in ``dtype`` ("fp32", "fp16", "bf16" or a torch dtype): the five stages of the module docstring, each
-    printed through ``progress`` as it finishes (None: silent). ``max_batch`` (GPU) also finds the largest batch up
-    to it that each model trains; ``json_path`` writes :meth:`DoctorResult.as_dict`, ``plot_path`` the two memory
-    timelines (GPU). Bad arguments raise ``ValueError`` before anything runs (:func:`prepare`). The result's
-    ``ok`` is False when a module check failed or the loss curves disagree."""
-    plan = prepare(
-        model,
-        batch=batch,
-        seq=seq,
-        dtype=dtype,
-        steps=steps,
-        max_batch=max_batch,
-        json_path=json_path,
-        plot_path=plot_path,
-    )
-    return run(plan, progress)
+    """Profile, patch, check and train ``model`` (a local model directory or a ``config.json``): the five stages of the
+    module docstring, each printed through ``progress`` as it finishes (None: silent). ``settings`` are the keywords
+    of :func:`prepare`, which checks them: ``batch`` x ``seq`` in ``dtype`` ("fp32", "fp16", "bf16" or a torch
+    dtype) over ``steps``; ``max_batch`` (GPU) also finds the largest batch up to it that each model trains;
+    ``json_path`` writes :meth:`DoctorResult.as_dict`, ``plot_path`` the two memory timelines (GPU). Bad arguments
+    raise ``ValueError`` before anything runs. The result's ``ok`` is False when a module check failed or the loss
+    curves disagree."""
+    return run(prepare(model, **settings), progress)
 
 
 class _CallableModule(types.ModuleType):
