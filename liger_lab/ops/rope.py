@@ -129,16 +129,52 @@ def _rotate_rows(
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, q_batch_stride, q_head_stride, q_seq_stride, q_dim_stride,
-    k_ptr, k_batch_stride, k_head_stride, k_seq_stride, k_dim_stride,
-    qo_ptr, qo_batch_stride, qo_head_stride, qo_seq_stride, qo_dim_stride,
-    ko_ptr, ko_batch_stride, ko_head_stride, ko_seq_stride, ko_dim_stride,
-    cos_ptr, cos_stream_stride, cos_batch_stride, cos_seq_stride, cos_dim_stride,
-    sin_ptr, sin_stream_stride, sin_batch_stride, sin_seq_stride, sin_dim_stride,
-    batch, seq_len, n_q_heads, n_k_heads, section_h, section_w,
-    BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, HALF: tl.constexpr, MROPE: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr, ADJACENT: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
+    q_ptr,  # the inputs, (B, H, T, D) through their strides
+    q_batch_stride,
+    q_head_stride,
+    q_seq_stride,
+    q_dim_stride,
+    k_ptr,
+    k_batch_stride,
+    k_head_stride,
+    k_seq_stride,
+    k_dim_stride,
+    qo_ptr,  # the outputs, likewise
+    qo_batch_stride,
+    qo_head_stride,
+    qo_seq_stride,
+    qo_dim_stride,
+    ko_ptr,
+    ko_batch_stride,
+    ko_head_stride,
+    ko_seq_stride,
+    ko_dim_stride,
+    cos_ptr,  # the tables (stream 0 unless MROPE)
+    cos_stream_stride,
+    cos_batch_stride,
+    cos_seq_stride,
+    cos_dim_stride,
+    sin_ptr,
+    sin_stream_stride,
+    sin_batch_stride,
+    sin_seq_stride,
+    sin_dim_stride,
+    batch,  # q's and k's sizes
+    seq_len,
+    n_q_heads,
+    n_k_heads,
+    section_h,  # multimodal RoPE's height and width pairs
+    section_w,
+    BACKWARD: tl.constexpr,  # rotate by the transpose (the backward)
+    HEADS_INNER: tl.constexpr,  # rows in (B, T, H, D) memory order
+    HALF: tl.constexpr,  # rotated pairs per row
+    MROPE: tl.constexpr,  # 0 RoPE, 1 mRoPE sections in a row, 2 interleaved
+    BLOCK_R: tl.constexpr,  # rows per program
+    BLOCK_D: tl.constexpr,  # HALF padded to a power of 2
+    ADJACENT: tl.constexpr,  # pairs (2i, 2i + 1) instead of (i, i + HALF)
+    PASS: tl.constexpr,  # features copied through after the rotated ones
+    BLOCK_P: tl.constexpr,  # PASS padded to a power of 2
+):
     # The first programs take q's rows, the rest k's: one launch for both.
     program = tl.program_id(0)
     n_q_rows, n_k_rows = batch * n_q_heads * seq_len, batch * n_k_heads * seq_len
