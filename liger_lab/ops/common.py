@@ -75,6 +75,18 @@ def row_count(x: torch.Tensor) -> int:
     return math.prod(x.shape[:-1])
 
 
+def row_losses(logits: torch.Tensor) -> torch.Tensor:
+    """An operator's output of one fp32 loss per row of ``logits`` (..., V): an allocator for
+    :func:`liger_lab.ops.operators.define` (wrap it in ``operators.reads`` where the argument has another name)."""
+    return logits.new_empty(row_count(logits), dtype=torch.float32)
+
+
+def row_gradients(logits: torch.Tensor, compute_grad: bool) -> torch.Tensor:
+    """An operator's output of the gradient of ``logits`` (..., V) as (rows, V) when ``compute_grad``, else an empty
+    placeholder: an allocator, as :func:`row_losses`."""
+    return logits.new_empty((row_count(logits), logits.shape[-1]) if compute_grad else (0,))
+
+
 def check_feature_vector(name: str, vector: torch.Tensor, x: torch.Tensor) -> None:
     """A per-feature parameter (weight, bias): 1-D with x's last dimension."""
     check_float(name, vector)

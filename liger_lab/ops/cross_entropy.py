@@ -49,7 +49,14 @@ import triton.language as tl
 from liger_lab import runtime
 from liger_lab.formulas import LossOptions, check_loss_options
 from liger_lab.ops import operators
-from liger_lab.ops.common import as_rows, check_float, in_place_requested, row_count, rows_to_overwrite
+from liger_lab.ops.common import (
+    as_rows,
+    check_float,
+    in_place_requested,
+    row_gradients,
+    row_losses,
+    rows_to_overwrite,
+)
 from liger_lab.ops.forward_grad import (
     _scale_rows_kernel,  # noqa: F401  (chapter 5 shows it as this module's)
     refuse_second_derivative,
@@ -333,10 +340,8 @@ CROSS_ENTROPY = operators.define(
     "cross_entropy",
     _cross_entropy_into,
     outputs={
-        "loss": lambda logits: logits.new_empty(row_count(logits), dtype=torch.float32),
-        "grad": lambda logits, compute_grad: logits.new_empty(
-            (row_count(logits), logits.shape[-1]) if compute_grad else (0,)
-        ),
+        "loss": row_losses,
+        "grad": row_gradients,
         "counts": lambda logits: logits.new_empty(4, dtype=torch.int64),
     },
     in_place={"grad": "logits"},

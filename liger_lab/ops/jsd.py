@@ -68,7 +68,7 @@ import triton.language as tl
 from liger_lab import runtime
 from liger_lab.formulas import JSDOptions
 from liger_lab.ops import operators
-from liger_lab.ops.common import as_rows, check_float, row_count
+from liger_lab.ops.common import as_rows, check_float, row_count, row_gradients, row_losses
 from liger_lab.ops.forward_grad import refuse_second_derivative, save_gradient, scaled_gradient
 from liger_lab.ops.logsumexp import online_lse_step
 
@@ -291,10 +291,8 @@ JSD = operators.define(
     "jsd",
     _jsd_into,
     outputs={
-        "loss": lambda student_logits: student_logits.new_empty(row_count(student_logits), dtype=torch.float32),
-        "grad": lambda student_logits, compute_grad: student_logits.new_empty(
-            (row_count(student_logits), student_logits.shape[-1]) if compute_grad else (0,)
-        ),
+        "loss": operators.reads(row_losses, "student_logits"),
+        "grad": operators.reads(row_gradients, "student_logits", "compute_grad"),
     },
 )
 
