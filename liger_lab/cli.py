@@ -158,8 +158,16 @@ def doctor_command(model, batch, seq, dtype, steps, max_batch, json_path, plot_p
     from liger_lab.doctor import prepare, run
 
     try:
-        plan = prepare(model, batch=batch, seq=seq, dtype=dtype, steps=steps, max_batch=max_batch,
-                       json_path=json_path, plot_path=plot_path)  # fmt: skip
+        plan = prepare(
+            model,
+            batch=batch,
+            seq=seq,
+            dtype=dtype,
+            steps=steps,
+            max_batch=max_batch,
+            json_path=json_path,
+            plot_path=plot_path,
+        )
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     if not run(plan, progress=click.echo).ok:
@@ -365,8 +373,10 @@ def bench_e2e(
     common = dict(layers=layers, dtype=dtype, steps=steps, warmup=warmup, compile_backend=compile_backend)
     for model in models:
         config = model_config(model, layers=layers)
-        click.echo(f"\nmodel {model}: {config.model_type}, {count_parameters(config):,} parameters, "
-                   f"{config.num_hidden_layers} layers, vocabulary {config.vocab_size}")  # fmt: skip
+        click.echo(
+            f"\nmodel {model}: {config.model_type}, {count_parameters(config):,} parameters, "
+            f"{config.num_hidden_layers} layers, vocabulary {config.vocab_size}"
+        )
         if breakdown:
             _print_breakdown(config, sizes, DTYPES[dtype] if dtype else default_dtype())
         first = len(children.rows)

@@ -187,9 +187,15 @@ def rows_to_overwrite(x: torch.Tensor) -> torch.Tensor | None:
 
 @triton.jit
 def _sum_partials_kernel(
-    partials_ptr, n_programs, n_cols, out_ptr, second_out_ptr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, TWO_OUTPUTS: tl.constexpr,
-):  # fmt: skip
+    partials_ptr,  # fp32 (n_programs, n_cols or 2 * n_cols), one row per program of the norm's backward
+    n_programs,
+    n_cols,
+    out_ptr,  # (n_cols,) the sum of the first n_cols columns...
+    second_out_ptr,  # ...and, with TWO_OUTPUTS, of the next n_cols (LayerNorm's db)
+    BLOCK_P: tl.constexpr,  # partial rows summed per step
+    BLOCK_N: tl.constexpr,  # columns per program
+    TWO_OUTPUTS: tl.constexpr,
+):
     # Each program sums a strip of columns down all the partial rows; with two outputs a row holds both vectors
     # side by side, and the strips past the first n_cols columns go to the second output.
     width = 2 * n_cols if TWO_OUTPUTS else n_cols
@@ -218,8 +224,10 @@ def sum_partials(
     fixed cost of a kernel; two torch calls per vector (a sum, then a cast) measured slower on an H200 under
     CUDA-graph replay (benchmarks/notes/layer_norm.md)."""
     if outputs not in (1, 2) or partials.dim() != 2 or partials.shape[1] % outputs or not partials.is_contiguous():
-        raise ValueError(f"expected contiguous (programs, outputs * n) partials with 1 or 2 outputs, got "
-                         f"{tuple(partials.shape)} and {outputs}")  # fmt: skip
+        raise ValueError(
+            f"expected contiguous (programs, outputs * n) partials with 1 or 2 outputs, got {tuple(partials.shape)} "
+            f"and {outputs}"
+        )
     n_programs, width = partials.shape
     n_cols = width // outputs
     sums = out or tuple(partials.new_empty(n_cols, dtype=dtype) for _ in range(outputs))

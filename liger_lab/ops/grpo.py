@@ -321,10 +321,19 @@ def fused_linear_grpo(
         vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
     )  # fmt: skip
     if importance_sampling_ratio is not None:
-        chunked.check_values("importance_sampling_ratio", importance_sampling_ratio, target.shape, COMPLETIONS,
-                             alternative=(target.shape[0], 1))  # fmt: skip
-    constants = (("advantages", advantages), ("old_logps", old_logps), ("ref_logps", ref_logps),
-                 ("importance_sampling_ratio", importance_sampling_ratio))  # fmt: skip
+        chunked.check_values(
+            "importance_sampling_ratio",
+            importance_sampling_ratio,
+            target.shape,
+            COMPLETIONS,
+            alternative=(target.shape[0], 1),
+        )
+    constants = (
+        ("advantages", advantages),
+        ("old_logps", old_logps),
+        ("ref_logps", ref_logps),
+        ("importance_sampling_ratio", importance_sampling_ratio),
+    )
     for name, value in constants:
         if value is not None and value.requires_grad and torch.is_grad_enabled():
             raise ValueError(

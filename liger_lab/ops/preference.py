@@ -497,8 +497,10 @@ def _check_kl(kl, kl_logps, ref_kl_logps, device: torch.device) -> torch.Tensor 
     if kl is not None and (kl_logps is not None or ref_kl_logps is not None):
         raise ValueError("fused_linear_kto takes the KL estimate as kl or as kl_logps and ref_kl_logps, not both")
     if (kl_logps is None) != (ref_kl_logps is None):
-        raise ValueError("kl_logps and ref_kl_logps come together: the policy's and the reference's log-probabilities "
-                         "of the same KL completions")  # fmt: skip
+        raise ValueError(
+            "kl_logps and ref_kl_logps come together: the policy's and the reference's log-probabilities "
+            "of the same KL completions"
+        )
     if kl_logps is not None:
         for name, values in (("kl_logps", kl_logps), ("ref_kl_logps", ref_kl_logps)):
             if not isinstance(values, torch.Tensor) or values.dim() != 1:
@@ -535,8 +537,13 @@ def _preference(o, hidden, weight, target, *, ref=(None, None, None), label=None
         _check_reference(ref_hidden, ref_weight, ref_logps, hidden, weight, f"fused_linear_{o.loss}", layout)
     check_target_tensor(target, hidden.shape[:-1])
     if nll_target is not None:
-        chunked.check_values("nll_target", nll_target, (hidden.shape[0] // 2, hidden.shape[1]),
-                             "(B, T): the chosen rows' targets of the NLL term", "index")  # fmt: skip
+        chunked.check_values(
+            "nll_target",
+            nll_target,
+            (hidden.shape[0] // 2, hidden.shape[1]),
+            "(B, T): the chosen rows' targets of the NLL term",
+            "index",
+        )
     chunk_name = "chunk_pairs" if paired else "chunk_completions"
     accumulation = chunked.check_chunk_options(chunk_name, chunk_units, accumulation)
     if ref_hidden is not None:  # a frozen model: constants of the call
