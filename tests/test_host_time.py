@@ -21,8 +21,9 @@ TOLERANCE = 1.03
 """The spread of the ratio between runs of one tree on a loaded two-core machine (see the module docstring)."""
 
 
+# Not strict: at 1.13x, one run in four on a loaded machine still measured the patched step under the tolerance, and
+# a strict mark would turn that into a failure. Remove the mark once the target holds.
 @pytest.mark.xfail(
-    strict=True,
     reason="not met yet: the patched step costs about 1.13x the unpatched step's host time, the fused loss's Python "
     "path above all (benchmarks/notes/host_time.md)",
 )
