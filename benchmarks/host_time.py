@@ -20,6 +20,7 @@ kernel.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -27,7 +28,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -79,6 +80,22 @@ def per_call_us(
 
 def _outputs(result: object) -> tuple[torch.Tensor, ...]:
     return result if isinstance(result, tuple) else (result,)
+
+
+@contextlib.contextmanager
+def measuring_conditions() -> Iterator[None]:
+    """Within the block, the conditions every figure here is measured under (restored after it): one thread, the
+    GPU's host path (no check reads a value back), denormals flushed."""
+    threads, reads_wait = torch.get_num_threads(), runtime.HOST_READS_WAIT
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # garbage outputs may hold denormals, which the reference's arithmetic meets
+    runtime.HOST_READS_WAIT = True  # the GPU's path: no check reads a (garbage) value back
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(False)
+        runtime.HOST_READS_WAIT = reads_wait
 
 
 def op_cases(spec: OpSpec) -> dict[str, Callable[[Callable[..., object]], Callable[[], object]]]:
@@ -202,10 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("host_time.py measures the host path on CPU: run it where kernels run in the interpreter")
     results = json.loads(args.json.read_text()) if args.json.exists() else {"machine": machine(), "runs": {}}
     if args.label:
-        torch.set_num_threads(1)
-        torch.set_flush_denormal(True)  # garbage outputs may hold denormals, which the reference's arithmetic meets
-        runtime.HOST_READS_WAIT = True  # the GPU's path: no check reads a (garbage) value back
-        rows = measure()
+        with measuring_conditions():
+            rows = measure()
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         results["machine"] = machine()
         results["runs"][args.label] = {"commit": commit(), "date": date, "rows": rows}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import types
 import typing
 import warnings
@@ -66,27 +67,40 @@ def _causal_lm_forward(
     """
     signature = inspect.signature(original)  # follows __wrapped__ through transformers' decorators
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    first, *rest = signature.parameters.values()  # self, then the forward's own parameters
+    keywords = frozenset(p.name for p in rest if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
     output = _output_of(signature)
+
+    def bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``signature.bind(self, *args, **kwargs).arguments``. A call by keywords alone (a training loop's, the
+        Trainer's) is sorted by name without ``inspect``, whose binding costs the host more than the rest of this
+        wrapper; anything else, and every call that ``bind`` would refuse, goes through ``inspect``."""
+        if args or first.name in kwargs or (var_keyword is None and not keywords.issuperset(kwargs)):
+            return signature.bind(self, *args, **kwargs).arguments
+        arguments = {name: value for name, value in kwargs.items() if name in keywords}
+        if len(arguments) < len(kwargs):
+            arguments[var_keyword] = {name: value for name, value in kwargs.items() if name not in keywords}
+        return arguments
 
     def run(self, fallback: Callable[..., Any] | None, args: tuple, kwargs: dict[str, Any]):
         """This forward on one call, where every call the loss does not take goes to ``fallback`` (a forward that
         another library set on the instance before patch) or, when it is None, to transformers' ``original``."""
         skip_logits = kwargs.pop("skip_logits", None)
-        bound = signature.bind(self, *args, **kwargs)
-        has_labels = bound.arguments.get("labels") is not None
+        bound_arguments = bind(self, args, kwargs)
+        has_labels = bound_arguments.get("labels") is not None
         if skip_logits and not has_labels:
             raise ValueError("skip_logits=True computes the loss without logits: expected labels")
         use_fused = fused and (self.training if skip_logits is None else skip_logits)
         takes = has_labels and (use_fused or cross_entropy)
-        router_logits = bound.arguments.get("output_router_logits")
+        router_logits = bound_arguments.get("output_router_logits")
         if takes and (router_logits or (router_logits is None and getattr(self.config, "output_router_logits", False))):
             # A mixture of experts adding its router's load-balancing loss: transformers' forward, said aloud.
             _report_fallback(type(self).__name__, "output_router_logits adds the router's load-balancing loss")
             takes = False
         if not takes:
             return original(self, *args, **kwargs) if fallback is None else fallback(*args, **kwargs)
-        arguments = dict(bound.arguments)
-        del arguments[next(iter(signature.parameters))]  # self
+        arguments = dict(bound_arguments)
+        arguments.pop(first.name, None)  # self, when inspect bound it
         extra = arguments.pop(var_keyword, {}) if var_keyword else {}
         return _loss_forward(self, arguments, extra, fused=use_fused, chunk_tokens=chunk_tokens, output=output)
 
@@ -397,11 +411,10 @@ def fused_head(head: nn.Module) -> _Head | str:
 
 
 def is_fsdp_unit(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed support
-        return False
-    return isinstance(module, FSDPModule)
+    """Whether ``module`` is an FSDP2 unit. Never imports FSDP (a lookup per call instead of an import statement):
+    no module is an ``FSDPModule`` before that is imported, and a torch built without distributed support has none."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def _has_accelerate_hook(module: nn.Module) -> bool:
