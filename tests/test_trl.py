@@ -209,3 +209,33 @@ def test_a_trainer_whose_loss_is_not_served_is_named(tiny_model_dir, tmp_path):
         liger_lab.unpatch_trl()
     assert head.fallbacks == 1
     assert "ChunkedDivergenceFunction" in liger_lab.patch_report(trainer.model).left_alone["TRL trainer"]
+
+
+def test_patch_report_under_trl_names_what_runs(tiny_model_dir):
+    """Under TRL's head a never-patched model is reported as not patched (not as pieces switched off), and a head PEFT
+    trains as a copy (``modules_to_save``) is not reported as materialising the logits while liger_lab's head serves
+    every call."""
+    peft = pytest.importorskip("peft")
+    from trl.trainer.utils import add_fused_lm_head
+
+    head = liger_lab.patch_trl()
+    try:
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        add_fused_lm_head(plain)
+        report = liger_lab.patch_report(plain)
+        assert report.left_alone.keys() == {"the whole model"}
+        assert report.left_alone["the whole model"].startswith("not patched")
+        assert report.replaced == {"LM head under TRL (fused_linear_logprobs)": 1}
+
+        policy = liger_lab.patch(transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+        add_fused_lm_head(policy)
+        lora = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+        model = peft.get_peft_model(policy, lora)
+        input_ids = torch.randint(3, 64, (2, 6))
+        model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).loss.backward()
+        report = liger_lab.patch_report(model)
+    finally:
+        liger_lab.unpatch_trl()
+    assert head.calls == 1 and policy.lm_head.modules_to_save["default"].weight.grad.norm() > 0
+    assert report.replaced["LM head under TRL (fused_linear_logprobs)"] == 1
+    assert "materialised" not in report.left_alone.get("loss", "")
