@@ -17,21 +17,31 @@ and ``is_top1`` carry no gradient here.
 
 ``liger_lab.patch(model)`` patches the backbone (norms, RoPE, MLP) as usual; the two compose in either order.
 
-Two more things happen while TRL is patched:
+Three more things happen while TRL is patched:
 
 * **The reference model computes as the policy does.** DPO, KTO, GRPO and RLOO load their reference model from the
   policy's path. When the policy was patched as an object (``liger_lab.patch(model)``), that fresh copy would run
   transformers' layers while the policy runs ours, and in bf16 the two disagree by a few hundredths of a nat per
   sequence (DPO's first loss is then not log 2). The reference model gets the policy's patch, with its options.
-* **What is not served is said.** ``DistillationTrainer`` (TRL's ``ChunkedDivergenceFunction``) and the experimental
-  GKD, CPO and ORPO trainers compute their losses from TRL's own code or from full logits: building one warns once,
-  counts a fallback, and :func:`liger_lab.patch_report` of its model names it.
+* **Distillation runs on** :func:`liger_lab.fused_linear_jsd`. ``DistillationTrainer`` computes its divergence in
+  ``trl.trainer.distillation_trainer._chunked_divergence_loss`` (TRL's ``ChunkedDivergenceFunction``, which projects
+  both heads twice for the mixture and once more in the backward); the experimental ``GKDTrainer`` computes the
+  student's and the teacher's full logits and ``generalized_jsd_loss`` on them. Under the patch both call liger_lab's
+  fused JSD on the two heads instead (the teacher's logits once, the student's gradient made in the forward), with
+  TRL's beta, temperature, mask and ``num_items_in_batch``, and the student's entropy DistillationTrainer logs from
+  the same kernel. TRL's path stays where liger_lab's would not compute the same thing: a head with a bias or
+  soft-capped logits (``final_logit_softcapping``); for GKD also scaled logits, a LoRA adapter on the head, a
+  vision-language model or a prompt-learning adapter; and GKD's evaluation, which asks for the logits.
+* **What is not served is said.** Such a trainer or option, and the experimental CPO and ORPO trainers (their
+  losses come from full logits), warn once, count a fallback, and :func:`liger_lab.patch_report` of the model names
+  them; a trainer served here shows there as served.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -41,7 +51,9 @@ from torch import nn
 
 from liger_lab.formulas import HEAD_OUTPUTS
 from liger_lab.hf import api as hf_api
+from liger_lab.hf import loss as hf_loss
 from liger_lab.hf import report as hf_report
+from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
 from liger_lab.ops.logprobs import fused_linear_logprobs
 
 
@@ -49,9 +61,10 @@ class LigerLabHead:
     """Stands in for ``trl.kernels.ChunkedLogProbFunction``: the same ``apply`` call and the same five outputs
     (log-probs, entropy, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; None for those not asked for).
 
-    ``calls`` counts the calls liger_lab's head served; ``fallbacks`` counts the trainers built while patched whose
-    loss liger_lab does not serve (the module docstring names them); TRL's head itself serves none, since the RL
-    head computes every output and transform TRL's has."""
+    ``calls`` counts the calls liger_lab served (head calls, and divergences of the distillation trainers);
+    ``fallbacks`` counts the trainers built while patched whose loss, or one of whose options, liger_lab does not
+    serve (the module docstring names them); TRL's head itself serves none, since the RL head computes every output
+    and transform TRL's has."""
 
     def __init__(self, trl_function: type[torch.autograd.Function]) -> None:
         self.trl_function = trl_function
@@ -72,11 +85,9 @@ class LigerLabHead:
     ) -> tuple[torch.Tensor | None, ...]:
         # TRL's head computes in the autocast dtype when autocast is on (and the weight is cast chunk by chunk); the
         # RL head takes one dtype for hidden and weight, so both are cast once, outside autocast.
-        device_type = hidden.device.type
-        autocast = torch.is_autocast_enabled(device_type)
-        dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
+        dtype = _compute_dtype(hidden)
         wanted = tuple(name for name in HEAD_OUTPUTS if name in outputs)
-        with torch.autocast(device_type, enabled=False):
+        with torch.autocast(hidden.device.type, enabled=False):
             cast_bias = None if bias is None else bias.to(dtype)
             result = fused_linear_logprobs(
                 hidden.to(dtype), weight.to(dtype), targets, cast_bias, temperature=temperature, outputs=wanted,
@@ -88,6 +99,33 @@ class LigerLabHead:
             by_name["log_sum_sq_probs"] = by_name["log_sum_sq_probs"].detach()
         self.calls += 1
         return log_probs, *(by_name.get(name) for name in HEAD_OUTPUTS)
+
+    def jsd(
+        self,
+        student: tuple[torch.Tensor, torch.Tensor],
+        teacher: tuple[torch.Tensor, torch.Tensor],
+        target: torch.Tensor | None,
+        **options: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`liger_lab.fused_linear_jsd` of two heads, each given as (hidden, weight), with ``options`` and the
+        student's entropy per row: each head in its autocast dtype (as TRL's divergence computes them), a sharded
+        weight gathered whole first (as TRL does), outside autocast."""
+        heads = []
+        for hidden, weight in (student, teacher):
+            if isinstance(weight, torch.distributed.tensor.DTensor):
+                weight = weight.full_tensor()
+            dtype = _compute_dtype(hidden)
+            heads += [hidden.to(dtype), weight.to(dtype)]
+        with torch.autocast(heads[0].device.type, enabled=False):
+            loss, entropy = fused_linear_jsd(*heads, target, entropy=True, **options)
+        self.calls += 1
+        return loss, entropy
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype TRL's kernels compute a head in: autocast's when it is on, else the hidden states'."""
+    device_type = hidden.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
 
 
 def _trl_utils():
@@ -106,12 +144,14 @@ def _trl_utils():
 # Trainers that load a reference model from the policy's path, and those whose loss stays TRL's, with why.
 _WITH_REFERENCE = ("trl.DPOTrainer", "trl.KTOTrainer", "trl.GRPOTrainer", "trl.RLOOTrainer")
 _NOT_SERVED = {
-    "trl.DistillationTrainer": "its divergence runs TRL's ChunkedDivergenceFunction",
-    "trl.experimental.gkd.GKDTrainer": "its generalized JSD is computed from the full logits",
     "trl.experimental.cpo.CPOTrainer": "its loss is computed from the full logits",
     "trl.experimental.orpo.ORPOTrainer": "its loss is computed from the full logits",
 }
-# A model whose trainer's loss liger_lab does not serve -> the line patch_report shows for it.
+_DISTILLATION = "trl.DistillationTrainer"
+_GKD = "trl.experimental.gkd.GKDTrainer"
+# What a trainer's model is trained with under the patch -> patch_report's line for it: the loss liger_lab serves,
+# or why it stays TRL's.
+_SERVED_MODELS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 _UNSERVED_MODELS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
@@ -125,21 +165,34 @@ def _trainer_class(path: str) -> type | None:
             return None
 
 
-def _wrap_init(cls: type, after: Callable[[object], None]) -> None:
-    original = cls.__init__
-
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        after(self)
-
-    __init__.liger_lab_original = original
-    cls.__init__ = __init__
+_NOT_ITS_OWN = object()  # what a class or module held under a name before the patch: nothing of its own
 
 
-def _unwrap_init(cls: type) -> None:
-    original = getattr(cls.__dict__.get("__init__"), "liger_lab_original", None)
-    if original is not None:
-        cls.__init__ = original
+def _replace(owner: object, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Put ``make(original)`` in ``owner.<name>`` (a class's method, a module's function), keeping what ``owner``
+    itself held there (for a class, possibly nothing: the method was inherited) for :func:`_restore`."""
+    replacement = make(getattr(owner, name))
+    replacement.liger_lab_kept = vars(owner).get(name, _NOT_ITS_OWN)
+    setattr(owner, name, replacement)
+
+
+def _restore(owner: object, name: str) -> None:
+    kept = getattr(vars(owner).get(name), "liger_lab_kept", None)
+    if kept is _NOT_ITS_OWN:
+        delattr(owner, name)
+    elif kept is not None:
+        setattr(owner, name, kept)
+
+
+def _after_init(after: Callable[[object], None]) -> Callable[[Callable], Callable]:
+    def make(original: Callable) -> Callable:
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            after(self)
+
+        return __init__
+
+    return make
 
 
 def _patch_reference_like_policy(trainer: object) -> None:
@@ -156,25 +209,218 @@ def _patch_reference_like_policy(trainer: object) -> None:
         hf_api.patch(reference, **options)
 
 
-def _name_unserved(path: str, why: str) -> Callable[[object], None]:
+def _name_unserved(trainer: object, why: str) -> None:
+    """One warning, one fallback counted and patch_report's line for a trainer whose loss stays TRL's."""
+    name = type(trainer).__name__
+    head = _trl_utils()._ChunkedLogProbFunction
+    if isinstance(head, LigerLabHead):
+        head.fallbacks += 1
+    model = getattr(trainer, "model", None)
+    if isinstance(model, nn.Module):
+        _UNSERVED_MODELS[model] = f"{name}: {why} (not served by liger_lab; the backbone's patch still runs)"
+    warnings.warn(f"liger_lab.patch_trl: {name}'s loss stays TRL's: {why}", stacklevel=4)
+
+
+def _name_served_or_not(unserved: Callable[[object], str | None], served: str) -> Callable[[object], None]:
+    """After a distillation trainer is built: name what stays TRL's (``unserved(trainer)`` says why, or None), or
+    record ``served`` for patch_report."""
+
     def after(trainer: object) -> None:
-        name = path.rpartition(".")[2]
-        head = _trl_utils()._ChunkedLogProbFunction
-        if isinstance(head, LigerLabHead):
-            head.fallbacks += 1
-        model = getattr(trainer, "model", None)
-        if isinstance(model, nn.Module):
-            _UNSERVED_MODELS[model] = f"{name}: {why} (not served by liger_lab; the backbone's patch still runs)"
-        warnings.warn(f"liger_lab.patch_trl: {name}'s loss stays TRL's: {why}", stacklevel=3)
+        why = unserved(trainer)
+        if why is not None:
+            _name_unserved(trainer, why)
+        elif isinstance(getattr(trainer, "model", None), nn.Module):
+            _SERVED_MODELS[trainer.model] = served
 
     return after
 
 
+# ---------------------------------------------------------------------------------------------------
+# DistillationTrainer: TRL's _chunked_divergence_loss on fused_linear_jsd.
+
+
+def _distillation_unserved(trainer: object) -> str | None:
+    """Why DistillationTrainer's divergence stays TRL's (the inputs :func:`_divergence_loss` hands back), or None."""
+    models = (("student", trainer.model), ("teacher", getattr(trainer, "teacher_model", None)))
+    for role, model in models:
+        if model is None:  # a teacher served another way (a subclass's remote teacher): no divergence of two heads
+            continue
+        model = trainer.accelerator.unwrap_model(model)
+        if getattr(model.get_output_embeddings(), "bias", None) is not None:
+            return f"the {role}'s lm_head has a bias, which fused_linear_jsd does not take"
+        if getattr(model.config.get_text_config(), "final_logit_softcapping", None) is not None:
+            return f"the {role}'s logits are soft-capped (final_logit_softcapping), which fused_linear_jsd does not do"
+    return None
+
+
+def _served_divergence(trl_loss: Callable) -> Callable:
+    """``trl.trainer.distillation_trainer._chunked_divergence_loss`` as :func:`_divergence_loss`, called as TRL
+    calls it (its arguments bound by TRL's own signature)."""
+    signature = inspect.signature(trl_loss)
+
+    def divergence_loss(*args, **kwargs):
+        given = signature.bind(*args, **kwargs)
+        given.apply_defaults()
+        return _divergence_loss(trl_loss, **given.arguments)
+
+    return divergence_loss
+
+
+def _divergence_loss(
+    trl_loss: Callable,
+    *,
+    student_hidden_states: torch.Tensor,
+    teacher_hidden_states: torch.Tensor,
+    student_lm_head_weight: torch.Tensor,
+    teacher_lm_head_weight: torch.Tensor,
+    completion_mask: torch.Tensor,
+    beta: float,
+    num_items_in_batch: torch.Tensor | int | None,
+    student_lm_head_bias: torch.Tensor | None,
+    teacher_lm_head_bias: torch.Tensor | None,
+    student_logit_scale: float,
+    teacher_logit_scale: float,
+    student_final_logit_softcapping: float | None,
+    teacher_final_logit_softcapping: float | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What TRL's ``_chunked_divergence_loss`` returns (the loss, the student's entropy summed over the completion
+    tokens, their count), from :func:`liger_lab.fused_linear_jsd` on the completion tokens alone. A logit scale is
+    applied to the hidden states (the same logits: the head is linear). A bias or a soft cap goes to TRL's own
+    function, as named when the trainer was built (:func:`_distillation_unserved`)."""
+    if (student_lm_head_bias, teacher_lm_head_bias, student_final_logit_softcapping,
+            teacher_final_logit_softcapping) != (None,) * 4:  # fmt: skip
+        return trl_loss(
+            student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
+            completion_mask, beta, num_items_in_batch=num_items_in_batch, student_lm_head_bias=student_lm_head_bias,
+            teacher_lm_head_bias=teacher_lm_head_bias, student_logit_scale=student_logit_scale,
+            teacher_logit_scale=teacher_logit_scale, temperature=temperature,
+            student_final_logit_softcapping=student_final_logit_softcapping,
+            teacher_final_logit_softcapping=teacher_final_logit_softcapping,
+        )  # fmt: skip
+    valid = completion_mask.reshape(-1) != 0
+    student = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid]
+    teacher = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid]
+    if student_logit_scale != 1:
+        student = student * student_logit_scale
+    if teacher_logit_scale != 1:
+        teacher = teacher * teacher_logit_scale
+    loss, entropy = _trl_utils()._ChunkedLogProbFunction.jsd(
+        (student, student_lm_head_weight), (teacher, teacher_lm_head_weight), None, beta=beta,
+        temperature=temperature, num_items_in_batch=num_items_in_batch,
+    )  # fmt: skip
+    return loss, entropy.sum(), valid.sum()
+
+
+# ---------------------------------------------------------------------------------------------------
+# GKDTrainer: its generalized JSD of the full logits, on fused_linear_jsd from the last hidden states.
+
+_LOGIT_SCALES = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
+"""Config fields by which transformers' causal LMs scale their logits (Cohere, Granite, Falcon-H1, Muse Glimmer)."""
+
+
+def _plain_head(model: nn.Module) -> nn.Linear | str:
+    """The linear layer whose product with the backbone's last hidden states is exactly ``model``'s logits (a PEFT
+    wrapper looked through, its copy of a head trained with ``modules_to_save`` read), or why there is none."""
+    if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
+        return "a prompt-learning PEFT adapter adds virtual tokens the backbone alone does not see"
+    try:
+        inner = hf_api.unwrap(model)
+    except ValueError:
+        return f"{type(model).__name__} is not a transformers model"
+    config = inner.config.get_text_config()
+    if config is not inner.config:
+        return "a vision-language model's logits come from its own forward"
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return "its logits are soft-capped (final_logit_softcapping)"
+    scaled = [name for name in _LOGIT_SCALES if getattr(config, name, None) not in (None, 1)]
+    if scaled:
+        return f"its logits are scaled ({scaled[0]})"
+    head = hf_loss.fused_head(inner.get_output_embeddings())
+    if isinstance(head, str):
+        return head
+    if head.lora is not None:
+        return "its lm_head carries a LoRA adapter"
+    if head.linear.bias is not None:
+        return "its lm_head has a bias"
+    return head.linear
+
+
+def _gkd_unserved(trainer: object) -> str | None:
+    """Why GKDTrainer's loss stays TRL's, or None."""
+    for role, model in (("student", trainer.model), ("teacher", trainer.teacher_model)):
+        head = _plain_head(trainer.accelerator.unwrap_model(model))
+        if isinstance(head, str):
+            return f"the {role}: {head}"
+    return None
+
+
+def _served_gkd_loss(trl_compute_loss: Callable) -> Callable:
+    """``GKDTrainer.compute_loss`` on :func:`_gkd_loss` in training, TRL's own where it asks for the outputs
+    (evaluation) or where :func:`_gkd_unserved` finds the models not served."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs or _gkd_unserved(self) is not None:
+            return trl_compute_loss(
+                self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        return _gkd_loss(self, model, inputs, num_items_in_batch)
+
+    return compute_loss
+
+
+def _through(wrapper: nn.Module, inner: nn.Module, method: Callable, *args: object) -> object:
+    """``method(*args)`` run inside ``wrapper``'s forward when a wrapper for several processes (DDP, FSDP,
+    DeepSpeed) holds ``inner``, so that it gathers, and later reduces, what ``method`` reads, as TRL's own
+    distillation does; directly otherwise."""
+    if wrapper is inner:
+        return method(*args)
+    from trl.models.utils import _ForwardRedirection
+
+    return _ForwardRedirection()(wrapper, inner, method, *args)
+
+
+def _last_hidden_state(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The backbone's last hidden states of a model :func:`_plain_head` accepts, at every position that predicts a
+    next token (as GKD shifts its logits)."""
+    backbone = hf_api.unwrap(model).base_model
+    batch = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "use_cache": False}
+    return backbone(**batch).last_hidden_state[:, :-1]
+
+
+def _gkd_loss(trainer: object, model: nn.Module, inputs: dict[str, torch.Tensor], num_items_in_batch) -> torch.Tensor:
+    """GKDTrainer's training loss, ``generalized_jsd_loss`` of the shifted logits with its beta (and temperature 1,
+    as ``compute_loss`` calls it), from the two models' last hidden states and heads through fused_linear_jsd: neither
+    model's logits are made. Under the trainer's autocast, as the models' own forwards run."""
+    accelerator = trainer.accelerator
+    student, teacher = accelerator.unwrap_model(model), accelerator.unwrap_model(trainer.teacher_model)
+    trainer.teacher_model.eval()
+    with torch.no_grad(), accelerator.autocast():
+        teacher_hidden = _through(trainer.teacher_model, teacher, _last_hidden_state, teacher, inputs)
+
+    def student_loss(student: nn.Module) -> torch.Tensor:
+        with accelerator.autocast():
+            student_hidden = _last_hidden_state(student, inputs)
+        loss, _ = _trl_utils()._ChunkedLogProbFunction.jsd(
+            (student_hidden, _plain_head(student).weight), (teacher_hidden, _plain_head(teacher).weight),
+            inputs["labels"][:, 1:], beta=trainer.beta, num_items_in_batch=num_items_in_batch,
+        )  # fmt: skip
+        return loss
+
+    return _through(model, student, student_loss, student)
+
+
+# ---------------------------------------------------------------------------------------------------
+# patch_report's lines, and the patch itself.
+
+
 def _trl_section(model: nn.Module, replaced: dict[str, int], left_alone: dict[str, str]) -> None:
     """patch_report's lines for a model under TRL: whose head its training calls reach, and what stays TRL's."""
-    unserved = _UNSERVED_MODELS.get(model)
+    unserved, served = _UNSERVED_MODELS.get(model), _SERVED_MODELS.get(model)
     if unserved is not None:
         left_alone["TRL trainer"] = unserved
+    elif served is not None:
+        replaced[served] = 1
     if not _has_trl_head(model):
         return
     if importlib.util.find_spec("trl") is not None and isinstance(_trl_utils()._ChunkedLogProbFunction, LigerLabHead):
@@ -201,34 +447,49 @@ def _has_trl_head(model: nn.Module) -> bool:
 hf_report.add_section(_trl_section)
 
 
+def _replacements() -> list[tuple[object, str, Callable[[Callable], Callable]]]:
+    """Every (class or module, name, maker of its replacement) the patch puts in place, for those TRL has."""
+    made = []
+    for path in _WITH_REFERENCE:
+        made.append((_trainer_class(path), "__init__", _after_init(_patch_reference_like_policy)))
+    for path, why in _NOT_SERVED.items():
+        made.append(
+            (_trainer_class(path), "__init__", _after_init(lambda trainer, why=why: _name_unserved(trainer, why)))
+        )
+    distillation = _name_served_or_not(_distillation_unserved, "DistillationTrainer's divergence (fused_linear_jsd)")
+    made.append((_trainer_class(_DISTILLATION), "__init__", _after_init(distillation)))
+    if _trainer_class(_DISTILLATION) is not None:
+        made.append((importlib.import_module("trl.trainer.distillation_trainer"), "_chunked_divergence_loss",
+                     _served_divergence))  # fmt: skip
+    gkd = _name_served_or_not(_gkd_unserved, "GKDTrainer's generalized JSD (fused_linear_jsd)")
+    made += [
+        (_trainer_class(_GKD), "__init__", _after_init(gkd)),
+        (_trainer_class(_GKD), "compute_loss", _served_gkd_loss),
+    ]
+    return [(owner, name, make) for owner, name, make in made if owner is not None]
+
+
 def patch_trl() -> LigerLabHead:
-    """Route TRL's fused LM head, in every trainer that uses it, through liger_lab's RL head; give reference models
-    the policy's patch; name the trainers whose loss is not served (see the module docstring). Returns the head now
-    in place, whose ``calls`` and ``fallbacks`` count what it served and what it did not. Calling it twice changes
-    nothing; :func:`unpatch_trl` puts TRL's own head back."""
+    """Route TRL's fused LM head, in every trainer that uses it, through liger_lab's RL head and the distillation
+    trainers' divergence through liger_lab's fused JSD; give reference models the policy's patch; name what is not
+    served (see the module docstring). Returns the head now in place, whose ``calls`` and ``fallbacks`` count what
+    it served and what it did not. Calling it twice changes nothing; :func:`unpatch_trl` puts TRL's own code back."""
     utils = _trl_utils()
     current = utils._ChunkedLogProbFunction
     if isinstance(current, LigerLabHead):
         return current
-    for path in _WITH_REFERENCE:
-        cls = _trainer_class(path)
-        if cls is not None:
-            _wrap_init(cls, _patch_reference_like_policy)
-    for path, why in _NOT_SERVED.items():
-        cls = _trainer_class(path)
-        if cls is not None:
-            _wrap_init(cls, _name_unserved(path, why))
+    for owner, name, make in _replacements():
+        _replace(owner, name, make)
     utils._ChunkedLogProbFunction = LigerLabHead(current)
     return utils._ChunkedLogProbFunction
 
 
 def unpatch_trl() -> None:
-    """Put TRL's own fused LM head and trainers back (nothing happens when :func:`patch_trl` was not called)."""
+    """Put TRL's own fused LM head, divergence and trainers back (nothing happens when :func:`patch_trl` was not
+    called)."""
     utils = _trl_utils()
     current = utils._ChunkedLogProbFunction
     if isinstance(current, LigerLabHead):
         utils._ChunkedLogProbFunction = current.trl_function
-        for path in (*_WITH_REFERENCE, *_NOT_SERVED):
-            cls = _trainer_class(path)
-            if cls is not None:
-                _unwrap_init(cls)
+        for owner, name, _ in _replacements():
+            _restore(owner, name)

@@ -283,8 +283,9 @@ def test_no_tensor_holds_the_logits_of_every_row(beta):
     """The op's work under a dispatch mode: nothing it allocates is bigger than a chunk of logits, dW or dh."""
     n, chunk, vocab = 64, 10, 300
     sh, sw, th, tw = heads(n=n, student_size=8, teacher_size=12, vocab=vocab)
-    args = (sh, sw, th, tw, targets((n,)), None, beta, 2.0, -100, chunk, "fp32", [True, True, False])
-    outputs = [sh.new_empty((), dtype=torch.float32), *allocate_outputs(fljsd_module._forward, STUDENT_GRADS, args)]
+    args = (sh, sw, th, tw, targets((n,)), None, beta, 2.0, -100, chunk, "fp32", True, [True, True, False])
+    loss_and_entropy = [sh.new_empty((), dtype=torch.float32), sh.new_empty(n, dtype=torch.float32)]
+    outputs = [*loss_and_entropy, *allocate_outputs(fljsd_module._forward, STUDENT_GRADS, args)]
     with LargestNewTensor() as mode:  # the operator's work itself (a mode sees an operator's call, not inside it)
         fljsd_module._forward(*args, *outputs)
     assert mode.largest <= max(chunk * vocab, sw.numel(), sh.numel()) < n * vocab
@@ -381,3 +382,32 @@ def test_peak_memory_at_the_design_shape():
     peak = runtime.peak_memory_bytes(step)
     bound = 2 * vocab * size + fljsd_module.CHUNK_BUDGET_BYTES + 64 * 2**20
     assert peak <= bound, f"peak {peak / 2**20:.0f} MiB above the inputs, bound {bound / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.25, 1.0])
+def test_entropy_of_the_student_comes_with_the_loss(beta):
+    """``entropy=True``: the entropy of softmax(student / T) per row, 0 on an ignored row and without gradient, beside
+    a loss and gradients unchanged by asking for it."""
+    sh, sw, th, tw = heads(lead=(3, 9))
+    target, temperature = targets((3, 9)), 0.7
+    student = [sh.clone().requires_grad_(), sw.clone().requires_grad_()]
+    loss, entropy = liger_lab.fused_linear_jsd(
+        *student, th, tw, target, beta=beta, temperature=temperature, chunk_tokens=CHUNK, entropy=True
+    )
+    assert entropy.shape == target.shape and entropy.dtype == torch.float32 and not entropy.requires_grad
+    log_q = F.log_softmax(torch.einsum("bth,vh->btv", sh.double(), sw.double()) / temperature, -1)
+    expected = -(log_q.exp() * log_q).sum(-1) * (target != -100)
+    assert relative_l2_error(entropy, expected) < 1e-6 and bool((entropy[target == -100] == 0).all())
+    grads = torch.autograd.grad(loss, student)
+    plain = [sh.clone().requires_grad_(), sw.clone().requires_grad_()]
+    plain_loss = liger_lab.fused_linear_jsd(*plain, th, tw, target, beta=beta, temperature=temperature,
+                                            chunk_tokens=CHUNK)  # fmt: skip
+    assert torch.equal(loss.detach(), plain_loss.detach())
+    for ours, without in zip(grads, torch.autograd.grad(plain_loss, plain), strict=True):
+        assert torch.equal(ours, without)
+    with torch.no_grad():
+        _, no_grad_entropy = liger_lab.fused_linear_jsd(sh, sw, th, tw, target, beta=beta, temperature=temperature,
+                                                        entropy=True)  # fmt: skip
+    torch.testing.assert_close(no_grad_entropy, entropy)
+    with pytest.raises(ValueError, match="entropy is 1"):
+        liger_lab.fused_linear_jsd(sh, sw, th, tw, entropy=1)

@@ -511,9 +511,10 @@ def fallback_warnings(record) -> list[str]:
     return [str(w.message) for w in record if "materialises the logits" in str(w.message)]
 
 
-def assert_lora_head_fused(model, reference, fused_calls, *args, seed=None, **kwargs):
+def assert_lora_head_fused(model, reference, fused_calls, *args, seed=None, head_weight="lm_head.lora_B", **kwargs):
     """One training step of the patched model matches the unpatched PEFT model's (each run after
-    ``torch.manual_seed(seed)`` when given), with the fused loss run once and no fallback; returns our gradients."""
+    ``torch.manual_seed(seed)`` when given), with the fused loss run once, no fallback and a gradient for the head's
+    trained weight (named by ``head_weight``); returns our gradients."""
     _REPORTED_FALLBACKS.clear()  # a warning given once per process shows here too
     fused_calls.clear()
     if seed is not None:
@@ -531,8 +532,8 @@ def assert_lora_head_fused(model, reference, fused_calls, *args, seed=None, **kw
     for name, grad in our_grads.items():
         err = relative_l2_error(grad, their_grads[name])
         assert err < LORA_GRAD_TOL, f"grad {name}: rel L2 {err:.2e}"
-    head_b = next(name for name in our_grads if "lm_head.lora_B" in name)
-    assert their_grads[head_b].norm() > 0  # the LoRA term of the head reaches the loss
+    trained = next(name for name in our_grads if head_weight in name)
+    assert their_grads[trained].norm() > 0  # the head's trained weight reaches the loss
     return our_grads
 
 
@@ -542,6 +543,25 @@ def test_lora_lm_head_runs_the_fused_loss(fused_calls):
     assert liger_lab.patch_report(model).replaced["loss (fused linear cross-entropy)"] == 1
     input_ids, labels = batch()
     assert_lora_head_fused(model, reference, fused_calls, input_ids, labels)
+    liger_lab.unpatch(model)
+
+
+def test_lm_head_trained_as_a_peft_copy_runs_the_fused_loss(fused_calls):
+    """``modules_to_save=["lm_head"]``: PEFT trains a copy of the head. The fused loss reads the copy PEFT's forward
+    calls (the frozen original while adapters are disabled), and the report says the loss is fused."""
+    reference = lora_model(target_modules=("q_proj",), modules_to_save=["lm_head"])
+    model = liger_lab.patch(copy.deepcopy(reference))
+    assert liger_lab.patch_report(model).replaced["loss (fused linear cross-entropy)"] == 1
+    input_ids, labels = batch()
+    assert_lora_head_fused(model, reference, fused_calls, input_ids, labels, head_weight="lm_head.modules_to_save")
+    with torch.no_grad():  # the copy now differs from the original, so reading the wrong one shows
+        for peft_model in (model, reference):
+            peft_model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)
+    assert_lora_head_fused(model, reference, fused_calls, input_ids, labels, head_weight="lm_head.modules_to_save")
+    with model.disable_adapter(), reference.disable_adapter(), torch.no_grad():
+        ours = model(input_ids=input_ids, labels=labels).loss
+        theirs = reference(input_ids=input_ids, labels=labels).loss
+    assert len(fused_calls) == 2 and relative_l2_error(ours, theirs) < LORA_LOSS_TOL
     liger_lab.unpatch(model)
 
 

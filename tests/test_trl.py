@@ -192,20 +192,160 @@ def test_reference_model_gets_the_policy_s_patch(tiny_model_dir, tmp_path):
     assert "LM head under TRL" in liger_lab.patch_report(trainer.model).left_alone  # TRL's own head is back
 
 
-def test_a_trainer_whose_loss_is_not_served_is_named(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def teacher_dir(tiny_model_dir, tmp_path_factory):
+    """Another random tiny Llama of the same vocabulary, so that the divergence is not 0."""
+    torch.manual_seed(1)
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
+    folder = tmp_path_factory.mktemp("tiny-teacher")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    return str(folder)
+
+
+def _distiller(kind, student, teacher_dir, output_dir):
+    """A DistillationTrainer (on-policy: the student generates) or a GKDTrainer (lmbda 0: on the dataset's
+    completions, no generation) with beta 0.5, the generalized JSD."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(teacher_dir)
+    common = dict(
+        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2, report_to=[], logging_steps=1,
+        use_cpu=True, save_strategy="no", learning_rate=1e-3, bf16=False, seed=0, beta=0.5,
+    )  # fmt: skip
+    if kind == "distillation":
+        args = trl.DistillationConfig(**common, max_completion_length=4, temperature=0.8)
+        data = datasets.Dataset.from_dict({"prompt": [_text(i, 3) for i in range(8)]})
+        return trl.DistillationTrainer(
+            student, teacher_model=teacher_dir, args=args, train_dataset=data, processing_class=tokenizer
+        )
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+    turns = [
+        [{"role": "user", "content": _text(i, 3)}, {"role": "assistant", "content": _text(i + 1, 4)}] for i in range(8)
+    ]
+    data = datasets.Dataset.from_dict({"messages": turns})
+    args = GKDConfig(**common, lmbda=0.0, max_new_tokens=4)
+    return GKDTrainer(student, teacher_model=teacher_dir, args=args, train_dataset=data, processing_class=tokenizer)
+
+
+@pytest.fixture
+def trl_divergence_calls(monkeypatch):
+    """Calls of TRL's own divergences: the chunked one (DistillationTrainer) and GKD's on full logits."""
+    from trl.experimental.gkd import GKDTrainer
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    calls = []
+    for owner, name in ((ChunkedDivergenceFunction, "forward"), (GKDTrainer, "generalized_jsd_loss")):
+        function = getattr(owner, name)
+
+        def counted(*args, function=function, name=name, **kwargs):
+            calls.append(name)
+            return function(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, staticmethod(counted))
+    return calls
+
+
+def _distill(kind, student, teacher_dir, output_dir, *, patched):
+    head = liger_lab.patch_trl() if patched else None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = _distiller(kind, student, teacher_dir, output_dir)
+            trainer.train()
+    finally:
+        liger_lab.unpatch_trl()
+    messages = [str(w.message) for w in caught if "liger_lab" in str(w.message)]
+    return [row for row in trainer.state.log_history if "loss" in row], trainer, head, messages
+
+
+@pytest.mark.parametrize("kind", ["distillation", "gkd"])
+def test_distillation_runs_on_fused_linear_jsd_like_on_trl_s_own(
+    kind, tiny_model_dir, teacher_dir, tmp_path, trl_divergence_calls
+):
+    """The divergence (and DistillationTrainer's logged entropy) from liger_lab's fused JSD: TRL's divergences run 0
+    times, the student's head is never called for logits in training, and every logged number agrees with TRL's."""
+    theirs, _, _, _ = _distill(kind, tiny_model_dir, teacher_dir, str(tmp_path / "trl"), patched=False)
+    assert len(trl_divergence_calls) >= STEPS
+    trl_divergence_calls.clear()
     student = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    teacher = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    head_calls = []
+    student.lm_head.register_forward_hook(lambda *_: head_calls.append(1))  # GKD generates nothing here: a call
+    ours, trainer, head, messages = _distill(kind, student, teacher_dir, str(tmp_path / "liger_lab"), patched=True)
+    # would be logits made for the loss (DistillationTrainer's student generates its completions: it calls its head)
+    assert trl_divergence_calls == [] and (kind == "distillation" or head_calls == [])
+    assert (head.calls, head.fallbacks, messages) == (STEPS, 0, [])
+    assert len(ours) == len(theirs) == STEPS
+    for step, (our_row, their_row) in enumerate(zip(ours, theirs, strict=True), 1):
+        assert our_row.keys() == their_row.keys()
+        assert abs(our_row["loss"] - their_row["loss"]) < 1e-5, step
+        for name in our_row.keys() - UNCOMPARED:
+            assert math.isclose(our_row[name], their_row[name], rel_tol=METRIC_TOL, abs_tol=1e-7), (step, name)
+    name = "DistillationTrainer's divergence" if kind == "distillation" else "GKDTrainer's generalized JSD"
+    assert liger_lab.patch_report(trainer.model).replaced[f"{name} (fused_linear_jsd)"] == 1
+
+
+@pytest.mark.parametrize("kind", ["distillation", "gkd"])
+def test_an_option_not_served_keeps_trl_s_divergence_and_is_named(
+    kind, tiny_model_dir, teacher_dir, tmp_path, trl_divergence_calls
+):
+    """A student whose lm_head has a bias: fused_linear_jsd takes none, so TRL's own divergence runs, named in one
+    warning, one fallback and patch_report."""
+    student = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        biased = torch.nn.Linear(student.config.hidden_size, student.config.vocab_size)
+        biased.weight.copy_(student.lm_head.weight)
+    student.lm_head = biased
+    _, trainer, head, messages = _distill(kind, student, teacher_dir, str(tmp_path), patched=True)
+    assert len(messages) == 1 and "lm_head has a bias" in messages[0] and "loss stays TRL's" in messages[0]
+    assert head.fallbacks == 1 and head.calls == 0 and len(trl_divergence_calls) >= STEPS
+    assert "lm_head has a bias" in liger_lab.patch_report(trainer.model).left_alone["TRL trainer"]
+
+
+def test_a_trainer_whose_loss_is_not_served_is_named(tiny_model_dir, tmp_path):
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    student = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     liger_lab.patch(student)
     head = liger_lab.patch_trl()
     try:
-        args = trl.DistillationConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, bf16=False)
-        data = datasets.Dataset.from_dict({"prompt": [_text(i, 3) for i in range(4)]})
+        args = CPOConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, bf16=False)
+        prompts = [_text(i, 3) for i in range(4)]
+        data = datasets.Dataset.from_dict({"prompt": prompts, "chosen": prompts, "rejected": prompts})
         tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
-        with pytest.warns(UserWarning, match="DistillationTrainer's loss stays TRL's"):
-            trainer = trl.DistillationTrainer(
-                student, teacher_model=teacher, args=args, train_dataset=data, processing_class=tokenizer
-            )
+        with pytest.warns(UserWarning, match="CPOTrainer's loss stays TRL's"):
+            trainer = CPOTrainer(student, args=args, train_dataset=data, processing_class=tokenizer)
     finally:
         liger_lab.unpatch_trl()
     assert head.fallbacks == 1
-    assert "ChunkedDivergenceFunction" in liger_lab.patch_report(trainer.model).left_alone["TRL trainer"]
+    assert "full logits" in liger_lab.patch_report(trainer.model).left_alone["TRL trainer"]
+
+
+def test_patch_report_under_trl_names_what_runs(tiny_model_dir):
+    """Under TRL's head a never-patched model is reported as not patched (not as pieces switched off), and a head PEFT
+    trains as a copy (``modules_to_save``) is not reported as materialising the logits while liger_lab's head serves
+    every call."""
+    peft = pytest.importorskip("peft")
+    from trl.trainer.utils import add_fused_lm_head
+
+    head = liger_lab.patch_trl()
+    try:
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        add_fused_lm_head(plain)
+        report = liger_lab.patch_report(plain)
+        assert report.left_alone.keys() == {"the whole model"}
+        assert report.left_alone["the whole model"].startswith("not patched")
+        assert report.replaced == {"LM head under TRL (fused_linear_logprobs)": 1}
+
+        policy = liger_lab.patch(transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+        add_fused_lm_head(policy)
+        lora = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+        model = peft.get_peft_model(policy, lora)
+        input_ids = torch.randint(3, 64, (2, 6))
+        model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).loss.backward()
+        report = liger_lab.patch_report(model)
+    finally:
+        liger_lab.unpatch_trl()
+    assert head.calls == 1 and policy.lm_head.modules_to_save["default"].weight.grad.norm() > 0
+    assert report.replaced["LM head under TRL (fused_linear_logprobs)"] == 1
+    assert "materialised" not in report.left_alone.get("loss", "")

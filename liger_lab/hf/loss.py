@@ -14,7 +14,8 @@ images, and the loss is its ``lm_head``'s.
 
 The fused loss reads the ``lm_head``'s weight and bias: an ``nn.Linear``'s, or a PEFT LoRA layer's, whose active
 adapter's term joins the same product (a concatenation of the weight with LoRA's B, see :class:`_LoraTerm`); with its
-adapters disabled or merged, the base layer's. Any other head (DoRA or another LoRA variant, several active adapters,
+adapters disabled or merged, the base layer's. A head PEFT trains as a copy (``modules_to_save=["lm_head"]``) is read
+as the copy its forward calls. Any other head (DoRA or another LoRA variant, several active adapters,
 a quantized layer) gets its logits materialised, with a warning that says why, as does the report. A head that is an
 FSDP2 unit or under accelerate's hooks is read inside its own call (:func:`as_forward_of`), so the hooks gather,
 load or move what the loss reads.
@@ -310,7 +311,7 @@ def _loss_forward(
 
 
 # ---------------------------------------------------------------------------------------------------
-# The head: what the fused loss computes the logits from (an nn.Linear, or PEFT's LoRA on one).
+# The head: what the fused loss computes the logits from (an nn.Linear, PEFT's LoRA on one, or PEFT's copy of one).
 
 
 @dataclass(frozen=True)
@@ -397,9 +398,33 @@ def _lora_head(head: nn.Module) -> _Head | str:
     return _Head(head.base_layer, _LoraTerm(a, b, head.lora_dropout[name], head.scaling[name]))
 
 
+def _is_modules_to_save(module: nn.Module) -> bool:
+    """PEFT's ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``: a trained copy of the head per adapter
+    beside the frozen original), recognised by its attributes like the LoRA layer."""
+    return isinstance(getattr(module, "original_module", None), nn.Module) and isinstance(
+        getattr(module, "modules_to_save", None), nn.ModuleDict
+    )
+
+
+def _saved_module(wrapper: nn.Module) -> nn.Module | str:
+    """The module PEFT's ``ModulesToSaveWrapper.forward`` calls: the active adapter's copy, or the original while
+    adapters are disabled or an active adapter has no copy here. Or why the fused loss cannot tell: a forward
+    pre-hook (PEFT's ``adapter_names``, a batch of mixed adapters, comes in through one)."""
+    if wrapper._forward_pre_hooks:
+        return "lm_head (PEFT's modules_to_save) has a forward pre-hook (adapter_names, a batch of mixed adapters?)"
+    active = list(wrapper.active_adapters)
+    if wrapper.disable_adapters or not active or any(name not in wrapper.modules_to_save for name in active):
+        return wrapper.original_module
+    return wrapper.modules_to_save[active[0]]
+
+
 def fused_head(head: nn.Module) -> _Head | str:
     """What the fused loss computes this ``lm_head``'s logits from, or why it cannot (then the logits are
-    materialised): an ``nn.Linear``, or a PEFT LoRA layer on one."""
+    materialised): an ``nn.Linear``, a PEFT LoRA layer on one, or PEFT's ``modules_to_save`` copy of one."""
+    if _is_modules_to_save(head):
+        head = _saved_module(head)
+        if isinstance(head, str):
+            return head
     if _is_lora_layer(head):
         return _lora_head(head)
     fallback = _linear_fallback(head, "lm_head")

@@ -88,10 +88,10 @@ def report(model: nn.Module) -> PatchReport:
         left_alone["loss"] = f"logits materialised: {fallback}"
     else:
         left_alone["loss"] = "transformers' own" if fused is None else "from logits (fused_linear_cross_entropy=False)"
-    for section in _SECTIONS:
+    if not replaced and fused is None:  # patch never touched it: say that, not what each piece lacks
+        replaced, left_alone = {}, {"the whole model": _NOT_PATCHED}
+    for section in _SECTIONS:  # after that decision: what a layer above serves (TRL's head) is not the model's patch
         section(model, replaced, left_alone)
-    if not replaced and fused is None:  # nothing of liger_lab's runs in it: say that, not what each piece lacks
-        return PatchReport(model_type, {}, {"the whole model": _NOT_PATCHED})
     return PatchReport(model_type, replaced, left_alone)
 
 

@@ -16,7 +16,9 @@ per-chunk step for this loss is::
 beta = 0, KL(Q || P) for beta = 1, and beta KL(P || M) + (1 - beta) KL(Q || M) with M = beta P + (1 - beta) Q
 otherwise; the loss is the mean of d over the kept rows (target != ignore_index, every row when there is no
 target), or their sum over ``num_items_in_batch`` when that is given, exactly :func:`liger_lab.jsd` of the two
-products (no T**2 factor; 0 when every row is ignored).
+products (no T**2 factor; 0 when every row is ignored). On request (``entropy=True``) the kernel's first pass also
+keeps the running sum of exp((z - max) / T) z, which gives the student's entropy per row,
+H(Q) = lse(z / T) - E_Q[z / T]: the metric TRL's distillation logs, at no cost of another product.
 
 **The gradient.** The row kernel gives g = dd/dz for each kept row (derived in :mod:`liger_lab.ops.jsd`;
 for the forward KL it is (Q - P) / T) and zeros for an ignored row. The mean divides by the kept count n,
@@ -52,6 +54,7 @@ import torch
 
 from liger_lab.formulas import JSDOptions
 from liger_lab.ops import chunked
+from liger_lab.ops.common import row_count
 from liger_lab.ops.jsd import check_num_items, check_target, jsd_rows, kept_rows
 from liger_lab.ops.operators import define
 
@@ -80,13 +83,14 @@ def chunk_rows_for(
 def _forward(
     student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
     teacher_weight: torch.Tensor, target: torch.Tensor | None, num_items: torch.Tensor | None, beta: float,
-    temperature: float, ignore_index: int, chunk_tokens: int | None, accumulation: str, needs: list[bool],
-    loss: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor, grad_bias: torch.Tensor,
-    owed: torch.Tensor,
+    temperature: float, ignore_index: int, chunk_tokens: int | None, accumulation: str, with_entropy: bool,
+    needs: list[bool], loss: torch.Tensor, entropy: torch.Tensor, grad_hidden: torch.Tensor,
+    grad_weight: torch.Tensor, grad_bias: torch.Tensor, owed: torch.Tensor,
 ) -> None:  # fmt: skip
     """The operator's work, into its outputs: the fp32 loss (the mean over kept rows, or their sum over
-    ``num_items``), the student's gradients ``needs`` asks for, and the fp32 factor they still owe besides the
-    upstream gradient. The kept count stays on the device (see mean_over_kept)."""
+    ``num_items``), the student's entropy per row when ``with_entropy`` (else ``entropy`` is empty), the student's
+    gradients ``needs`` asks for, and the fp32 factor they still owe besides the upstream gradient. The kept count
+    stays on the device (see mean_over_kept)."""
     student, flat_target = chunked.token_rows(student_hidden, target)
     teacher, _ = chunked.token_rows(teacher_hidden)
     n_rows, vocab, device = student.shape[0], student_weight.shape[0], student.device
@@ -109,7 +113,7 @@ def _forward(
         rows_target = None if flat_target is None else flat_target[rows]
         jsd_rows(
             z, y, rows_target, losses[rows], beta, temperature, ignore_index,
-            grad=z if write_grad else None, grad_scale=dz_scale,
+            grad=z if write_grad else None, grad_scale=dz_scale, entropy=entropy[rows] if with_entropy else None,
         )  # fmt: skip
 
     grads = chunked.ChunkGrads.asked(needs, grad_hidden, grad_weight, grad_bias)
@@ -122,9 +126,11 @@ def _forward(
 FUSED_LINEAR_JSD = define(
     "fused_linear_jsd", _forward,
     outputs={"loss": lambda student_hidden: student_hidden.new_empty((), dtype=torch.float32),
+             "entropy": lambda student_hidden, with_entropy: student_hidden.new_empty(
+                 row_count(student_hidden) if with_entropy else 0, dtype=torch.float32),
              **chunked.grad_outputs(hidden="student_hidden", weight="student_weight")},
 )  # fmt: skip
-_LOSS = chunked.FusedLoss("fused_linear_jsd", FUSED_LINEAR_JSD)
+_LOSS = chunked.FusedLoss("fused_linear_jsd", FUSED_LINEAR_JSD, metrics=1)
 
 
 def _check_inputs(student_hidden, student_weight, teacher_hidden, teacher_weight, target) -> None:
@@ -149,7 +155,8 @@ def fused_linear_jsd(
     chunk_tokens: int | None = None,
     accumulation: str | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
-) -> torch.Tensor:
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``liger_lab.jsd(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, target)`` without
     ever holding the N x V logits of either model.
 
@@ -162,11 +169,14 @@ def fused_linear_jsd(
     averaged over the kept rows; no T**2 factor; 0 with zero gradients when every row is ignored.
     ``num_items_in_batch`` as in :func:`liger_lab.jsd`: the sum over the kept rows divided by it (TRL's normalizer).
 
-    Returns a float32 scalar. Gradients reach ``student_hidden`` and ``student_weight``; the teacher's tensors
-    are constants (no ``.grad`` even if they require grad). The gradients are computed in the forward, so the
-    graph can be backpropagated once; the caller's tensors are never modified. ``chunk_tokens`` overrides the
-    rows per chunk derived from :data:`CHUNK_BUDGET_BYTES`; ``accumulation`` ("auto", "fp32", "weight_dtype";
-    default that of :func:`liger_lab.fused_linear_cross_entropy`) picks how the student's dW is summed over chunks.
+    Returns a float32 scalar; with ``entropy=True`` also the entropy of the student's softmax(z / T) per row, float32
+    of the target's shape (0 on an ignored row), made in the divergence's first pass (no further product) and carrying
+    no gradient: what TRL's distillation logs. Gradients reach ``student_hidden`` and ``student_weight``; the
+    teacher's tensors are constants (no ``.grad`` even if they require grad). The gradients are computed in the
+    forward, so the graph can be backpropagated once; the caller's tensors are never modified. ``chunk_tokens``
+    overrides the rows per chunk derived from :data:`CHUNK_BUDGET_BYTES`; ``accumulation`` ("auto", "fp32",
+    "weight_dtype"; default that of :func:`liger_lab.fused_linear_cross_entropy`) picks how the student's dW is summed
+    over chunks.
     """
     o = JSDOptions(beta, temperature, ignore_index).checked()
     beta, temperature = o.beta, o.temperature
@@ -174,5 +184,9 @@ def fused_linear_jsd(
     accumulation = chunked.check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
     num_items = check_num_items(num_items_in_batch, student_hidden.device)
     needs = chunked.needed_grads(student_hidden, student_weight)
+    if not isinstance(entropy, bool):
+        raise ValueError(f"entropy is {entropy!r}: expected True or False")
     tensors = (student_hidden, student_weight, teacher_hidden.detach(), teacher_weight.detach(), target, num_items)
-    return chunked.run_loss(_LOSS, tensors, (beta, temperature, ignore_index, chunk_tokens, accumulation, needs))
+    options = (beta, temperature, ignore_index, chunk_tokens, accumulation, entropy, needs)
+    loss, row_entropy = chunked.run_loss(_LOSS, tensors, options)
+    return (loss, row_entropy.reshape(student_hidden.shape[:-1])) if entropy else loss

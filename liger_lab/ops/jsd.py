@@ -123,11 +123,13 @@ def _load_logits(z_row, y_row, offsets, mask, EVICTION: tl.constexpr):
 @triton.jit
 def _jsd_kernel(
     z_ptr, z_row_stride, y_ptr, y_row_stride, target_ptr, loss_ptr, grad_ptr, grad_row_stride, grad_scale_ptr,
-    n_rows, n_cols, ignore_index, beta, log_beta, log_1m_beta, inv_temperature,
-    MODE: tl.constexpr, HAS_TARGET: tl.constexpr, WRITE_GRAD: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    entropy_ptr, n_rows, n_cols, ignore_index, beta, log_beta, log_1m_beta, inv_temperature,
+    MODE: tl.constexpr, HAS_TARGET: tl.constexpr, WRITE_GRAD: tl.constexpr, WRITE_ENTROPY: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """z: student logits, y: teacher logits, both (n_rows, n_cols) with unit column stride."""
+    """z: student logits, y: teacher logits, both (n_rows, n_cols) with unit column stride. ``WRITE_ENTROPY``: also
+    the student's entropy per row, H(Q) = lse_s - E_Q[s], from one more running sum in pass 1 (a metric: no
+    gradient)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     keep = row_mask
@@ -145,6 +147,7 @@ def _jsd_kernel(
     sum_z = tl.zeros([ROWS], tl.float32)
     sum_y = tl.zeros([ROWS], tl.float32)
     weighted = tl.zeros([ROWS], tl.float32)
+    moment_z = tl.zeros([ROWS], tl.float32)  # running sum of exp((z - m_z) / T) z, for the entropy
     for start in range(0, n_cols, BLOCK_N):
         mask = keep[:, None] & ((start + cols) < n_cols)[None, :]
         offsets = (start + cols)[None, :]
@@ -156,6 +159,8 @@ def _jsd_kernel(
             weighted = weighted * rescale_y + tl.sum(e_y * (y - z), axis=1)
         if MODE == 1:
             weighted = weighted * rescale_z + tl.sum(e_z * (z - y), axis=1)
+        if WRITE_ENTROPY:
+            moment_z = moment_z * rescale_z + tl.sum(e_z * z, axis=1)
     # Ignored rows: max 0 and sum 1, so the later passes compute finite values there (then multiplied by 0).
     m_z = tl.where(keep, m_z, 0.0)
     m_y = tl.where(keep, m_y, 0.0)
@@ -163,6 +168,9 @@ def _jsd_kernel(
     sum_y = tl.where(keep, sum_y, 1.0)
     log_sum_z = tl.log(sum_z)
     log_sum_y = tl.log(sum_y)
+    if WRITE_ENTROPY:  # lse_s - E_Q[s] = log sum_z - (E_Q[z] - m_z) / T: 0 on an ignored row
+        entropy = log_sum_z - (moment_z / sum_z - m_z) * inv_temperature
+        tl.store(entropy_ptr + rows, tl.where(keep, entropy, 0.0), mask=row_mask)
 
     mean_zy = weighted / sum_z  # reverse KL: E_Q[z - y]
     mean_q_s = tl.zeros([ROWS], tl.float32)
@@ -233,11 +241,14 @@ def jsd_rows(
     *,
     grad: torch.Tensor | None = None,
     grad_scale: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
     launch: runtime.RowLaunch | None = None,
 ) -> None:
     """Launch the kernel on (rows, V) views with unit column stride: each row's divergence (fp32, 0 for an
     ignored row) into ``loss`` (rows,); when ``grad`` (rows, V) is given, dd/dz times ``grad_scale`` (an
-    fp32 scalar tensor on the device) into it. ``target``: flat (rows,) integers, or None to keep every row.
+    fp32 scalar tensor on the device) into it; when ``entropy`` (rows,) fp32 is given, the entropy of the student's
+    softmax(z / T) per row into it (0 for an ignored row). ``target``: flat (rows,) integers, or None to keep every
+    row.
     ``launch``: the tiling, :func:`liger_lab.runtime.streaming_row_launch` by default (a sweep passes its own)."""
     n_rows, n_cols = student.shape
     if n_rows == 0:
@@ -248,10 +259,10 @@ def jsd_rows(
     runtime.launch_kernel(_jsd_kernel, (launch.grid,),
         student, student.stride(0), teacher, teacher.stride(0), target if target is not None else loss, loss,
         grad if grad is not None else loss, grad.stride(0) if grad is not None else 0,
-        grad_scale if grad_scale is not None else loss,
+        grad_scale if grad_scale is not None else loss, entropy if entropy is not None else loss,
         n_rows, n_cols, ignore_index, beta, log_beta, log_1m_beta, 1.0 / temperature,
-        MODE=mode, HAS_TARGET=target is not None, WRITE_GRAD=grad is not None, ROWS=launch.rows,
-        BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+        MODE=mode, HAS_TARGET=target is not None, WRITE_GRAD=grad is not None, WRITE_ENTROPY=entropy is not None,
+        ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
     )  # fmt: skip
 
 
