@@ -276,6 +276,7 @@ OPS: dict[str, OpSpec] = {
             "layer_norm", _layer_norm_inputs, ("x", "weight", "bias"), ("x", "weight", "bias"), **_NORM,
             operators=("layer_norm", "layer_norm_backward"),
             fwd_passes=2, full_passes=5, liger=("liger_layer_norm", {"eps": 1e-5}),
+            variants={"offset": {"offset": 1.0}},  # Nemotron's LayerNorm1P: the weight scales as 1 + w
         ),
         OpSpec(
             "rope", _rope_inputs, ("q", "k", "cos", "sin"), ("q", "k"),

@@ -38,8 +38,12 @@ def add_rms_norm(
     return rms_norm(s, weight, eps, **options), s
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5, *, offset: float = 0.0
+) -> torch.Tensor:
+    """``torch.nn.LayerNorm`` (offset 0) or Nemotron's ``NemotronLayerNorm1P`` (offset 1: ``weight + 1`` in the
+    weight's dtype scales)."""
+    return F.layer_norm(x, (x.shape[-1],), weight + offset, bias, eps)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

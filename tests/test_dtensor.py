@@ -194,12 +194,12 @@ def _statistics(mesh) -> dict[str, object]:
             torch.ops.liger_lab.add_rms_norm(x, x, weight, 1e-6, 0.0, "llama")[2],
         ),
         "layer_norm.mean": (
-            torch.ops.liger_lab.layer_norm(placed_x, placed_w, placed_b, 1e-5)[1],
-            torch.ops.liger_lab.layer_norm(x, weight, bias, 1e-5)[1],
+            torch.ops.liger_lab.layer_norm(placed_x, placed_w, placed_b, 1e-5, 0.0)[1],
+            torch.ops.liger_lab.layer_norm(x, weight, bias, 1e-5, 0.0)[1],
         ),
         "layer_norm.rstd": (
-            torch.ops.liger_lab.layer_norm(placed_x, placed_w, placed_b, 1e-5)[2],
-            torch.ops.liger_lab.layer_norm(x, weight, bias, 1e-5)[2],
+            torch.ops.liger_lab.layer_norm(placed_x, placed_w, placed_b, 1e-5, 0.0)[2],
+            torch.ops.liger_lab.layer_norm(x, weight, bias, 1e-5, 0.0)[2],
         ),
     }
     return {

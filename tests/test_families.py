@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 NEW_FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "gemma4_text", "gpt_oss", "llama4_text", "olmo3", "ministral3",
                 "deepseek_v3", "glm4_moe", "ministral", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "qwen3_next",
-                "deepseek_v2", "deepseek_v4", "falcon_h1"]  # fmt: skip
+                "deepseek_v2", "deepseek_v4", "falcon_h1", "nemotron"]  # fmt: skip
 
 RMSNORM, MLP, ROPE, ADD = "RMSNorm", "gated MLP (SwiGLU/GeGLU)", "attention (RoPE)", "residual add into RMSNorm"
 LOSS = "loss (fused linear cross-entropy)"
@@ -52,6 +52,7 @@ REPORTS = {
     "deepseek_v2": ({RMSNORM, MLP, ROPE, ADD, "MoE experts (SwiGLU)", LOSS}, {"router"}),
     "deepseek_v4": ({RMSNORM, LOSS}, {"MLP", "experts", "RoPE", "unweighted RMSNorm", "router"}),
     "falcon_h1": ({RMSNORM, ROPE, LOSS}, {"MLP", "Mamba mixer"}),
+    "nemotron": ({"LayerNorm (1 + w)", ROPE, LOSS}, {"MLP"}),
 }
 
 
@@ -88,8 +89,9 @@ def test_patch_report_says_what_each_new_family_fuses_and_leaves_alone():
 
 
 def test_a_family_s_own_reason_for_its_mlp_is_the_report_s():
-    """Falcon-H1's and DeepSeek-V4's MLPs are dense, but compute otherwise: the report gives their rows' reasons."""
-    for model_type in ("falcon_h1", "deepseek_v4"):
+    """Falcon-H1's, DeepSeek-V4's and Nemotron's MLPs are dense, but compute otherwise: the report gives their rows'
+    reasons."""
+    for model_type in ("falcon_h1", "deepseek_v4", "nemotron"):
         report = liger_lab.patch_report(liger_lab.patch(tiny_model(model_type)))
         assert report.left_alone["MLP"] == dict(hf.FAMILIES[model_type].left_alone)["MLP"]
 

@@ -22,6 +22,13 @@ def test_fp16(shape):
     assert check_op("layer_norm", randn(*shape, dtype=torch.float16), *_params(shape[-1], torch.float16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_offset_scales_by_one_plus_the_weight(dtype):
+    # Nemotron's LayerNorm1P: the stored weight sits near 0 and the row is scaled by 1 + w.
+    x, w, b = randn(33, 96, dtype=dtype), randn(96, dtype=dtype, scale=0.1), randn(96, dtype=dtype)
+    assert check_op("layer_norm", x, w, b, offset=1.0)
+
+
 def _check_layouts(x, w, b, x_layout, param_layout=lambda p: p):
     """Like _check, but the kernel sees the inputs in the given memory layouts (made inside the function,
     because check_against_reference clones its inputs and a clone of a strided view is contiguous)."""
@@ -188,6 +195,8 @@ def test_module_rejects_what_the_kernel_does_not_do(kwargs, message):
         (lambda: randn(()), lambda: randn(1), lambda: randn(1), {}, "at least one dimension"),
         (lambda: randn(4, 64), lambda: randn(64), lambda: randn(64), {"eps": -1.0}, "eps"),
         (lambda: randn(4, 64), lambda: randn(64), lambda: randn(64), {"eps": float("nan")}, "eps"),
+        (lambda: randn(4, 64), lambda: randn(64), lambda: randn(64), {"offset": float("nan")}, "offset"),
+        (lambda: randn(4, 64), lambda: randn(64), lambda: randn(64), {"offset": float("inf")}, "offset"),
         (lambda: randn(2, 100_000), lambda: randn(100_000), lambda: randn(100_000), {}, "at most"),
     ],
 )

@@ -113,6 +113,8 @@ FAMILY_CONFIG = {
                     "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 24, "kv_lora_rank": 16,
                     "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
                     "num_key_value_heads": 4, "experts_implementation": "eager"},
+    # LayerNorm1P (1 + w, with bias), an MLP of squared ReLU without gate, RoPE on half of each head (its default).
+    "nemotron": {},
 }  # fmt: skip
 
 

@@ -83,7 +83,7 @@ def test_every_piece_kind_has_a_builder_an_option_and_a_family_flag():
     flags = {field.name for field in dataclasses.fields(Family) if field.type in ("bool", bool)}
     assert set(modules._BUILDERS) == set(registry.PIECE_KINDS)
     for suffix, kind in registry.PIECE_KINDS.items():
-        assert kind.suffix == suffix and kind.option in options and kind.flag in flags | {None}, kind
+        assert kind.suffix == suffix and kind.option in options and kind.flag in flags, kind
 
 
 def test_the_pre_split_module_finds_every_name_in_its_new_home():
@@ -256,10 +256,11 @@ def test_tuple_output_has_the_unpatched_layout(use_cache, output_hidden_states):
     liger_lab.unpatch(model)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "nemotron"])
 def test_autocast_step_matches_transformers(model_type):
     """Under autocast the attention's output is bf16 while the residual stream stays fp32: the patched decoder
-    layer must add them as transformers does (the sum promoted to fp32), not fail on add_rms_norm's one dtype."""
+    layer must add them as transformers does (the sum promoted to fp32), not fail on add_rms_norm's one dtype.
+    Nemotron's LayerNorm1P runs in bf16 there, as transformers casts it."""
     reference = tiny_model(model_type)
     model = liger_lab.patch(copy.deepcopy(reference))
     input_ids, labels = batch()
@@ -280,16 +281,18 @@ def test_autocast_step_matches_transformers(model_type):
 @pytest.mark.parametrize("model_type", sorted(hf.FAMILIES))
 def test_fused_norms_round_where_transformers_does(model_type, dtype):
     """Each family's RMSNorm rounds at its own point (Llama: xhat to the input dtype, then times w; OLMo 2: w times
-    xhat in fp32, rounded once; Gemma: (1 + w) in fp32). In half precision a wrong choice changes about a quarter
-    of the outputs by one step; the right one matches to the last bit but for rare ties. bf16 too: the interpreter
-    rounds fp32 -> bf16 stores to nearest even, as the GPU does (``runtime``)."""
+    xhat in fp32, rounded once; Gemma: (1 + w) in fp32; Nemotron's LayerNorm: 1 + w rounded to w's dtype). In half
+    precision a wrong choice changes about a quarter of the outputs by one step; the right one matches to the last bit
+    but for rare ties. bf16 too: the interpreter rounds fp32 -> bf16 stores to nearest even, as the GPU does
+    (``runtime``)."""
     reference = tiny_model(model_type).to(dtype)
     model = liger_lab.patch(copy.deepcopy(reference))
     generator = torch.Generator().manual_seed(0)
     pairs = [
         (ours, theirs)
         for ours, theirs in zip(model.modules(), reference.modules(), strict=True)
-        if type(theirs).__name__.endswith("RMSNorm") and type(ours).__name__ == f"Fused{type(theirs).__name__}"
+        if type(theirs).__name__.endswith(("RMSNorm", "LayerNorm1P"))
+        and type(ours).__name__ == f"Fused{type(theirs).__name__}"
     ]
     assert pairs
     for ours, theirs in pairs:
@@ -327,7 +330,9 @@ def test_every_fused_piece_runs_its_kernel(model_type):
     input_ids, labels = batch()
     with OpCalls() as calls:
         model(input_ids=input_ids, labels=labels).loss.backward()
-    expected = {"rms_norm", "rms_norm_backward", "fused_linear_cross_entropy"}
+    expected = {"fused_linear_cross_entropy"}
+    expected |= {"rms_norm", "rms_norm_backward"} if family.rms_norm else set()
+    expected |= {"layer_norm", "layer_norm_backward"} if family.layer_norm_1p else set()
     expected |= {"glu"} if family.mlp or family.experts else set()
     expected |= {"add_rms_norm", "add_rms_norm_backward"} if family.add_norm else set()
     # liger_lab's operators, in-place variants (ending in _) under their plain names

@@ -56,7 +56,8 @@ def patch(
 
     ``model_or_model_type`` is a model type string (``"llama"``, one of :data:`~liger_lab.hf.FAMILIES`), which patches
     the family's classes, or a model instance (a PEFT wrapper is looked through), patched in place with
-    its parameters and state dict unchanged. ``swiglu`` covers the gated MLP of every family (GeGLU for
+    its parameters and state dict unchanged. ``rms_norm`` covers a family's norms (Nemotron's are LayerNorms that
+    scale by 1 + w). ``swiglu`` covers the gated MLP of every family (GeGLU for
     Gemma) and the SiLU (Gemma 4: tanh-GELU) experts of a mixture of experts run by transformers' eager loop.
     ``fused_linear_cross_entropy`` computes the training loss without logits;
     ``cross_entropy`` computes the loss from logits with the fused cross-entropy kernel whenever logits

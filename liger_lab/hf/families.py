@@ -20,8 +20,9 @@ Adding a family is adding a row, keyed by its model type:
   ``"ForCausalLM"``: the loss forward reads its ``lm_head`` and the base model under its ``base_model_prefix``), and
   ``module`` the modeling module when it is not named after the model type (``gemma3_text`` is in ``gemma3``).
 * Flags say which pieces it has, each a kind of :data:`~liger_lab.hf.registry.PIECE_KINDS` (whose ``flag`` names
-  the field): every family an RMSNorm; ``mlp`` a dense gated MLP, ``rope`` an attention whose RoPE is rotate_half's,
-  ``add_norm`` a decoder layer written as Llama's, ``experts`` 3-D experts.
+  the field): ``rms_norm`` an RMSNorm (every family but Nemotron, whose ``layer_norm_1p`` is a LayerNorm scaling by
+  1 + w); ``mlp`` a dense gated MLP, ``rope`` an attention whose RoPE is rotate_half's, ``add_norm`` a decoder layer
+  written as Llama's, ``experts`` 3-D experts.
 * How they compute, where families differ: ``norm`` (where the RMSNorm rounds), ``act_attr`` (the config attribute
   naming the activation), ``fused_gate_up``, ``rope_half_tables``, ``rope_layout``, ``in_place_norms``.
 * ``left_alone``: what stays transformers' and why, in the report's words.
@@ -59,6 +60,9 @@ class Family:
     norm: str = "llama"
     act_attr: str = "hidden_act"  # config attribute naming the MLP activation
     fused_gate_up: bool = False  # one gate_up_proj whose output is [gate | up] (Phi-3)
+    rms_norm: bool = True  # an RMSNorm class
+    # A LayerNorm with bias whose stored weight w scales as 1 + w (Nemotron's LayerNorm1P), instead of an RMSNorm.
+    layer_norm_1p: bool = False
     # Norms whose output feeds only linear projections: their backward may overwrite the incoming
     # gradient. Never a norm whose output is added to the residual stream (Gemma 2's post-norms): the
     # residual branch reads that same gradient tensor.
@@ -99,7 +103,7 @@ class Family:
     @property
     def pieces(self) -> tuple[str, ...]:
         """Class-name suffixes of the pieces this family has fused versions of (kinds of ``PIECE_KINDS``)."""
-        return tuple(suffix for suffix, kind in PIECE_KINDS.items() if kind.flag is None or getattr(self, kind.flag))
+        return tuple(suffix for suffix, kind in PIECE_KINDS.items() if getattr(self, kind.flag))
 
     @property
     def rope_function(self) -> str:
@@ -250,6 +254,15 @@ FAMILIES: dict[str, Family] = {
                     "product: not the fused MLP's computation"),
             ("Mamba mixer", "the Mamba-2 scan and its gated norm (FalconH1RMSNormGated, norm(x * silu(z)) * w): no "
                             "fused kernel"),
+        ),
+    ),
+    # Nemotron: LayerNorm1P (a LayerNorm with bias, scaling by 1 + w, which has no in-place backward), partial
+    # rotate_half RoPE (partial_rotary_factor 0.5 by default), Llama's layer around an MLP without gate.
+    "nemotron": Family(
+        "Nemotron", rms_norm=False, layer_norm_1p=True, mlp=False, in_place_norms=(),
+        left_alone=(
+            ("MLP", "down(relu(up(x)) ** 2), squared ReLU without a gate: not the fused act(gate) * up, and no "
+                    "kernel of its own"),
         ),
     ),
     # Vision-language models: the language model is fused, the loss runs on the conditional generation's lm_head (the

@@ -4,6 +4,7 @@
 fused ones derive from. Per kind of piece (``registry.PIECE_KINDS``):
 
 * RMSNorm: the fused norm, rounding where the family's norm rounds (``Family.norm``);
+* LayerNorm1P: Nemotron's LayerNorm, scaling by 1 + w, on the fused LayerNorm;
 * MLP: ``down(act(gate) * up)`` with ``act(gate) * up`` fused (SwiGLU, GeGLU);
 * Experts: transformers' eager loop over the experts of a mixture, with the same fused product;
 * DecoderLayer: Llama's layer with the add before the MLP's norm fused into the norm (``add_rms_norm``);
@@ -40,6 +41,7 @@ from liger_lab.hf.registry import (
 )
 from liger_lab.nn.mlp import GeGLUMLP, SwiGLUMLP, outputs_observed
 from liger_lab.ops import glu as glu_ops
+from liger_lab.ops import layer_norm as layer_norm_ops
 from liger_lab.ops import partial_rope as partial_rope_ops
 from liger_lab.ops import rms_norm as rms_norm_ops
 from liger_lab.ops import rope as rope_ops
@@ -81,6 +83,21 @@ def _norm_class(family: Family, modeling: types.ModuleType, original: type) -> t
     forward = _NORM_FORWARDS[family.norm]
     # A class-level default; patch(model) turns it on per module where the gradient may be reused.
     return fused_subclass(original, forward, in_place_backward=False)
+
+
+def _layer_norm_1p_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Nemotron's LayerNorm1P. Under autocast transformers runs it in autocast's dtype (input, ``weight + 1`` and bias
+    cast), where autocast alone would run a LayerNorm in fp32: so does this."""
+    weight, bias = self.weight, self.bias
+    device = hidden_states.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        hidden_states, weight, bias = (tensor.to(dtype) for tensor in (hidden_states, weight, bias))
+    return layer_norm_ops.layer_norm(hidden_states, weight, bias, self.eps, offset=1.0)
+
+
+def _layer_norm_1p_class(family: Family, modeling: types.ModuleType, original: type) -> type:
+    return fused_subclass(original, _layer_norm_1p_forward)
 
 
 def gated_kernel(activation: object) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -344,6 +361,7 @@ def rope_dispatcher(family: Family, modeling: types.ModuleType) -> Callable[...,
 
 _BUILDERS: dict[str, Callable[[Family, types.ModuleType, type], type]] = {
     "RMSNorm": _norm_class,
+    "LayerNorm1P": _layer_norm_1p_class,
     "MLP": _mlp_class,
     "Attention": _attention_class,
     "DecoderLayer": _decoder_layer_class,

@@ -126,7 +126,7 @@ class PieceKind:
 
     suffix: str  # class-name suffix: a family's class is prefix + suffix (or what the family's names say)
     option: str  # the option of patch() that fuses it, a field of families.Options
-    flag: str | None  # the families.Family field that says whether a family has one; None: every family has one
+    flag: str  # the families.Family field that says whether a family has one
     label: str  # what patch_report counts it as
     # The kernel scales by the module's weight: a module without one (Gemma 4's with_scale=False) keeps its class.
     needs_weight: bool = False
@@ -137,7 +137,9 @@ class PieceKind:
 PIECE_KINDS: dict[str, PieceKind] = {
     kind.suffix: kind
     for kind in (
-        PieceKind("RMSNorm", option="rms_norm", flag=None, label="RMSNorm", needs_weight=True),
+        PieceKind("RMSNorm", option="rms_norm", flag="rms_norm", label="RMSNorm", needs_weight=True),
+        # Nemotron's norm: a LayerNorm (with bias) that scales by 1 + w. The norm option of patch() covers it too.
+        PieceKind("LayerNorm1P", option="rms_norm", flag="layer_norm_1p", label="LayerNorm (1 + w)", needs_weight=True),
         PieceKind("MLP", option="swiglu", flag="mlp", label="gated MLP (SwiGLU/GeGLU)", gated=True),
         PieceKind("Attention", option="rope", flag="rope", label="attention (RoPE)"),
         PieceKind("DecoderLayer", option="rms_norm", flag="add_norm", label="residual add into RMSNorm"),

@@ -1,20 +1,24 @@
 r"""LayerNorm, fused forward and backward.
 
-For one row :math:`x \in \mathbb{R}^n` with weight :math:`w` and bias :math:`b`::
+For one row :math:`x \in \mathbb{R}^n` with weight :math:`w`, bias :math:`b` and offset :math:`o` (0 for
+``torch.nn.LayerNorm``, 1 for Nemotron's ``NemotronLayerNorm1P``, which stores w and scales by 1 + w)::
 
     mu   = mean(x)                              # two fp32 statistics per row,
     r    = 1 / sqrt(mean((x - mu)**2) + eps)    # saved for the backward
     xhat = (x - mu) * r
-    y    = xhat * w + b
+    y    = xhat * (o + w) + b
 
-Backward, with g = dy * w (derivation in solutions/02_layernorm.ipynb)::
+Backward, with g = dy * (o + w) (derivation in solutions/02_layernorm.ipynb; the offset is a constant, so dw is
+the same sum)::
 
     dx = r * (g - mean(g) - xhat * mean(g * xhat))
     dw = sum over rows of dy * xhat
     db = sum over rows of dy
 
-Same semantics as ``torch.nn.functional.layer_norm(x, (n,), w, b, eps)``: the math is fp32, the output
-has x's dtype, and x, w and b share one dtype (as PyTorch requires on the GPU).
+Same semantics as ``torch.nn.functional.layer_norm(x, (n,), o + w, b, eps)``: the math is fp32, the output
+has x's dtype, and x, w and b share one dtype (as PyTorch requires on the GPU). ``o + w`` is rounded to w's dtype
+before it scales, as Nemotron's ``self.weight + 1.0`` is (Gemma's RMSNorm instead adds its offset in fp32:
+:mod:`liger_lab.ops.rms_norm`).
 
 Bytes per element in bf16: the forward reads x and writes y (4 bytes; the 8 bytes of statistics per
 row are noise). The backward reads x and dy and writes dx (6 bytes), recomputing xhat from the saved
@@ -42,6 +46,7 @@ from liger_lab.ops.common import (
     check_feature_vector,
     check_float,
     check_same_dtype,
+    is_finite,
     row_op_in_layout,
     rows_of,
     sum_partials,
@@ -50,9 +55,16 @@ from liger_lab.ops.operators import dense_like
 
 
 @triton.jit
+def _offset_weight(w_ptr, cols, col_mask, offset):
+    """offset + w, rounded to w's dtype (a no-op for offset 0), in fp32."""
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    return w.to(w_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _layer_norm_forward_kernel(
     x_ptr, x_row_stride, w_ptr, b_ptr, y_ptr, y_row_stride, mean_ptr, rstd_ptr,
-    n_rows, n_cols, eps,
+    n_rows, n_cols, eps, offset,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -63,7 +75,7 @@ def _layer_norm_forward_kernel(
     rows64 = rows.to(tl.int64)[:, None]
 
     x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w = _offset_weight(w_ptr, cols, col_mask, offset)
     b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / n_cols
     # The row is already in registers, so centring before squaring costs a reduction, not a pass over
@@ -86,13 +98,13 @@ def _add_pairs(a_sum, b_sum, a, b):
 @triton.jit
 def _layer_norm_backward_kernel(
     dy_ptr, dy_row_stride, x_ptr, x_row_stride, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dx_row_stride, partial_ptr,
-    n_rows, n_cols,
+    n_rows, n_cols, offset,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w = _offset_weight(w_ptr, cols, col_mask, offset)
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
 
@@ -142,6 +154,7 @@ def _launch_forward(
     weight: torch.Tensor,
     bias: torch.Tensor,
     eps: float,
+    offset: float,
     y: torch.Tensor,
     mean: torch.Tensor,
     rstd: torch.Tensor,
@@ -152,7 +165,7 @@ def _launch_forward(
         return
     launch = launch or forward_launch(x.n_rows, x.n_cols)
     runtime.launch_kernel(_layer_norm_forward_kernel, (launch.grid,),
-        x.data, x.stride, weight, bias, y, x.n_cols, mean, rstd, x.n_rows, x.n_cols, eps,
+        x.data, x.stride, weight, bias, y, x.n_cols, mean, rstd, x.n_rows, x.n_cols, eps, offset,
         ROWS=launch.rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
     )  # fmt: skip
 
@@ -163,13 +176,14 @@ def layer_norm_forward(
     bias: torch.Tensor,
     eps: float,
     *,
+    offset: float = 0.0,
     launch: runtime.RowLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward on a 2-D row view. Returns (y, mean, rstd). ``launch``: the tiling,
     :func:`forward_launch`'s by default (a sweep passes its own)."""
     y = x.new_empty(x.shape)
     mean, rstd = (x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(2))
-    _launch_forward(rows_of(x), weight, bias, eps, y, mean, rstd, launch)
+    _launch_forward(rows_of(x), weight, bias, eps, offset, y, mean, rstd, launch)
     return y, mean, rstd
 
 
@@ -185,6 +199,7 @@ def _launch_backward(
     weight: torch.Tensor,
     mean: torch.Tensor,
     rstd: torch.Tensor,
+    offset: float,
     dx: torch.Tensor,
     dw: torch.Tensor,
     db: torch.Tensor,
@@ -201,7 +216,7 @@ def _launch_backward(
     launch = launch or runtime.persistent_row_launch(n_rows, n_cols, stream_bytes=stream_bytes)
     partials = x.data.new_empty((launch.grid, 2 * n_cols), dtype=torch.float32)
     runtime.launch_kernel(_layer_norm_backward_kernel, (launch.grid,),
-        dy.data, dy.stride, x.data, x.stride, weight, mean, rstd, dx, n_cols, partials, n_rows, n_cols,
+        dy.data, dy.stride, x.data, x.stride, weight, mean, rstd, dx, n_cols, partials, n_rows, n_cols, offset,
         ROWS=launch.rows, BLOCK_N=launch.block_n, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
     )  # fmt: skip
     sum_partials(partials, dw.dtype, outputs=2, out=(dw, db))
@@ -214,12 +229,13 @@ def layer_norm_backward(
     mean: torch.Tensor,
     rstd: torch.Tensor,
     *,
+    offset: float = 0.0,
     launch: runtime.RowLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward on 2-D row views. Returns (dx, dw, db). ``launch``: the persistent grid,
     :func:`backward_launch`'s by default."""
     dx, dw, db = x.new_empty(x.shape), torch.empty_like(weight), torch.empty_like(weight)
-    _launch_backward(rows_of(dy), rows_of(x), weight, mean.contiguous(), rstd.contiguous(), dx, dw, db, launch)
+    _launch_backward(rows_of(dy), rows_of(x), weight, mean.contiguous(), rstd.contiguous(), offset, dx, dw, db, launch)
     return dx, dw, db
 
 
@@ -229,19 +245,21 @@ def layer_norm_backward(
 
 
 def _layer_norm_into(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, y: torch.Tensor, mean: torch.Tensor,
-    rstd: torch.Tensor,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, offset: float, y: torch.Tensor,
+    mean: torch.Tensor, rstd: torch.Tensor,
 ) -> None:  # fmt: skip
     """y of x's shape, two fp32 statistics per row, each shaped x.shape[:-1] (so a DTensor shards them as it shards
     x)."""
-    _launch_forward(rows_of(x), weight.contiguous(), bias.contiguous(), eps, y, mean, rstd)
+    _launch_forward(rows_of(x), weight.contiguous(), bias.contiguous(), eps, offset, y, mean, rstd)
 
 
 def _layer_norm_backward_into(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, offset: float,
     dx: torch.Tensor, dw: torch.Tensor, db: torch.Tensor,
 ) -> None:  # fmt: skip
-    _launch_backward(rows_of(dy), rows_of(x), weight.contiguous(), mean.contiguous(), rstd.contiguous(), dx, dw, db)
+    _launch_backward(
+        rows_of(dy), rows_of(x), weight.contiguous(), mean.contiguous(), rstd.contiguous(), offset, dx, dw, db
+    )
 
 
 def _parameter_grad(weight: torch.Tensor) -> torch.Tensor:
@@ -256,17 +274,18 @@ LAYER_NORM_BACKWARD = operators.define(
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _, _ = inputs
+    x, weight, _, _, offset = inputs
     # The bias is not needed for the gradients: its own gradient is the column sum of dy.
     ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.offset = offset
     # The statistics' gradients arrive as None rather than as zeros autograd would allocate and fill every call.
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, _dmean, _drstd):
     if dy is None:  # only the statistics were used (a direct call of the operator)
-        return None, None, None, None
-    return *LAYER_NORM_BACKWARD(dy, *ctx.saved_tensors), None
+        return None, None, None, None, None
+    return *LAYER_NORM_BACKWARD(dy, *ctx.saved_tensors, ctx.offset), None, None
 
 
 def _statistic(x: torch.Tensor) -> torch.Tensor:
@@ -282,8 +301,12 @@ LAYER_NORM = operators.define(
 )
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """LayerNorm over the last dimension of ``x``: ``torch.nn.functional.layer_norm(x, (n,), weight, bias, eps)``.
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5, *, offset: float = 0.0
+) -> torch.Tensor:
+    """LayerNorm over the last dimension of ``x``: ``torch.nn.functional.layer_norm(x, (n,), weight, bias, eps)``,
+    or with ``offset=1.0`` Nemotron's ``NemotronLayerNorm1P``, whose weight scales as ``weight + 1`` (rounded to
+    the weight's dtype, as transformers computes it).
 
     ``weight`` and ``bias`` are 1-D of ``x``'s last dimension and share ``x``'s dtype (fp32, fp16 or bf16);
     the output has that dtype too.
@@ -296,6 +319,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     check_same_dtype(x=x, weight=weight, bias=bias)
     if not eps >= 0:
         raise ValueError(f"eps is {eps}: expected a non-negative number")
+    if not is_finite(offset):
+        raise ValueError(f"offset is {offset}: expected a finite number")
     if operators.lowered("layer_norm"):
-        return reference.layer_norm(x, weight, bias, eps)
-    return row_op_in_layout(lambda rows: LAYER_NORM(rows, weight, bias, float(eps))[0], x)
+        return reference.layer_norm(x, weight, bias, eps, offset=offset)
+    return row_op_in_layout(lambda rows: LAYER_NORM(rows, weight, bias, float(eps), float(offset))[0], x)

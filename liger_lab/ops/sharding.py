@@ -100,12 +100,12 @@ if torch.distributed.is_available():
         ]
 
     @_register(torch.ops.liger_lab.layer_norm.default)
-    def _layer_norm(x: Spec, weight: Spec, bias: Spec, eps: float) -> Strategies:
-        return [([p, p, p], [p, Replicate(), Replicate(), None]) for p in _row_placements(x.ndim)]
+    def _layer_norm(x: Spec, weight: Spec, bias: Spec, eps: float, offset: float) -> Strategies:
+        return [([p, p, p], [p, Replicate(), Replicate(), None, None]) for p in _row_placements(x.ndim)]
 
     @_register(torch.ops.liger_lab.layer_norm_backward.default)
-    def _layer_norm_backward(dy: Spec, x: Spec, weight: Spec, mean: Spec, rstd: Spec) -> Strategies:
-        return [([p, _column_sum(p), _column_sum(p)], [p, p, Replicate(), p, p]) for p in _row_placements(x.ndim)]
+    def _layer_norm_backward(dy: Spec, x: Spec, weight: Spec, mean: Spec, rstd: Spec, offset: float) -> Strategies:
+        return [([p, _column_sum(p), _column_sum(p)], [p, p, Replicate(), p, p, None]) for p in _row_placements(x.ndim)]
 
     def _elementwise_placements(ndim: int) -> list[Placement]:
         """Placements of an elementwise op's inputs (all alike): any dimension may be sharded."""
