@@ -326,12 +326,12 @@ def accumulation_dtype(weight: torch.Tensor, accumulation: str) -> torch.dtype:
     return torch.float32 if accumulation == "fp32" else weight.dtype
 
 
-def mean_over_kept(kept: torch.Tensor, n_rows: int, dtype: torch.dtype) -> tuple[bool, float, torch.Tensor]:
+def mean_over_kept(kept: torch.Tensor, n_rows: int, dtype: torch.dtype) -> tuple[bool, float, torch.Tensor | None]:
     """A mean's 1 / kept when only the device knows ``kept`` (a count it made: reading it back would make the host
     wait for the GPU every step, and no CUDA graph could hold the step). Returns (whether the row kernel divides dz
     by the count, in fp32 before rounding dz to ``dtype``; the matmuls' ``grad_scale``; the fp32 factor on the
     device that the gradients still owe, which the backward multiplies in with the upstream gradient: one pass,
-    skipped on the GPU when the product is exactly 1).
+    skipped on the GPU when the product is exactly 1; None when they owe nothing).
 
     fp32 divides in the kernel and owes nothing. The half types cannot: fp16 because p / kept ~ 1e-9 for 8192
     tokens over a 128k vocabulary underflows (fp16 stops at 6e-8); bf16 because the large entries of dz share one
@@ -342,7 +342,7 @@ def mean_over_kept(kept: torch.Tensor, n_rows: int, dtype: torch.dtype) -> tuple
     the gradients owe n_rows / kept, exactly 1 when no row is ignored: then the backward's pass is skipped as
     before, otherwise it costs one in-place pass over dW and dh unless the upstream gradient needed one anyway."""
     if dtype == torch.float32:
-        return True, 1.0, torch.ones((), dtype=torch.float32, device=kept.device)
+        return True, 1.0, None
     return False, 1.0 / max(n_rows, 1), n_rows / kept.clamp(min=1).to(torch.float32)
 
 

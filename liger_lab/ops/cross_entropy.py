@@ -160,8 +160,16 @@ def _cross_entropy_kernel(
 
 
 @triton.jit
-def _count_targets_kernel(target_ptr, n, ignore_index, n_classes, counts_ptr, BLOCK: tl.constexpr):
-    """counts = [targets not ignored, how many of those are out of [0, n_classes), smallest, largest]."""
+def _count_targets_kernel(
+    target_ptr,  # (n,) class indices
+    n,
+    ignore_index,
+    n_classes,
+    counts_ptr,  # int64 (4,): [targets not ignored, how many of those are out of [0, n_classes), smallest, largest]
+    factors_ptr,  # with FACTORS, fp32 (2,): [1 or NaN (a target out of range), max(kept, 1) or NaN: a mean's divisor]
+    BLOCK: tl.constexpr,
+    FACTORS: tl.constexpr,
+):
     offsets = tl.arange(0, BLOCK)
     kept_count = tl.zeros([BLOCK], tl.int64)
     bad_count = tl.zeros([BLOCK], tl.int64)
@@ -175,10 +183,16 @@ def _count_targets_kernel(target_ptr, n, ignore_index, n_classes, counts_ptr, BL
         bad_count += (kept & ((t < 0) | (t >= n_classes))).to(tl.int64)
         smallest = tl.minimum(smallest, tl.where(kept, t, 2**62))
         largest = tl.maximum(largest, tl.where(kept, t, -(2**62)))
-    tl.store(counts_ptr + 0, tl.sum(kept_count, axis=0))
-    tl.store(counts_ptr + 1, tl.sum(bad_count, axis=0))
+    kept_total = tl.sum(kept_count, axis=0)
+    bad_total = tl.sum(bad_count, axis=0)
+    tl.store(counts_ptr + 0, kept_total)
+    tl.store(counts_ptr + 1, bad_total)
     tl.store(counts_ptr + 2, tl.min(smallest, axis=0))
     tl.store(counts_ptr + 3, tl.max(largest, axis=0))
+    if FACTORS:  # what a fused loss multiplies and divides by, made here rather than by a few more ops on the host
+        valid = tl.where(bad_total > 0, float("nan"), 1.0)
+        tl.store(factors_ptr + 0, valid)
+        tl.store(factors_ptr + 1, valid * tl.maximum(kept_total, 1).to(tl.float32))
 
 
 def check_target_tensor(target: torch.Tensor, expected_shape: torch.Size) -> None:
@@ -196,16 +210,27 @@ _COUNT_BLOCK = runtime.pick(cpu=2**16, gpu=4096)
 """Targets the count kernel's one program reads per step: the interpreter pays per step, the GPU per register."""
 
 
-def _count_targets_into(flat_target: torch.Tensor, n_classes: int, ignore_index: int, counts: torch.Tensor) -> None:
+def _count_targets_into(
+    flat_target: torch.Tensor,
+    n_classes: int,
+    ignore_index: int,
+    counts: torch.Tensor,
+    factors: torch.Tensor | None = None,
+) -> None:
     runtime.launch_kernel(_count_targets_kernel, (1,),
-        flat_target, flat_target.numel(), ignore_index, n_classes, counts, BLOCK=_COUNT_BLOCK,
+        flat_target, flat_target.numel(), ignore_index, n_classes, counts, counts if factors is None else factors,
+        BLOCK=_COUNT_BLOCK, FACTORS=factors is not None,
     )  # fmt: skip
 
 
-def count_targets(flat_target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
-    """One small kernel: int64 [kept, out of range, smallest kept, largest kept] on the target's device."""
+def count_targets(
+    flat_target: torch.Tensor, n_classes: int, ignore_index: int, *, factors: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One small kernel: int64 [kept, out of range, smallest kept, largest kept] on the target's device. With
+    ``factors`` (fp32, two elements) it also writes there what a fused loss scales by: 1, or NaN when a target is out
+    of range (:func:`nan_if_out_of_range`'s value), and a mean's divisor max(kept, 1), NaN likewise."""
     counts = flat_target.new_empty(4, dtype=torch.int64)
-    _count_targets_into(flat_target, n_classes, ignore_index, counts)
+    _count_targets_into(flat_target, n_classes, ignore_index, counts, factors)
     return counts
 
 
@@ -221,15 +246,22 @@ def kept_count(counts: list[int], n_classes: int, ignore_index: int) -> int:
     return n_kept
 
 
-def check_target(target: torch.Tensor, expected_shape: torch.Size, n_classes: int, ignore_index: int) -> torch.Tensor:
-    """Validate class indices; return :func:`count_targets`' counts, left on the device.
+def check_target(
+    target: torch.Tensor,
+    expected_shape: torch.Size,
+    n_classes: int,
+    ignore_index: int,
+    *,
+    factors: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Validate class indices; return :func:`count_targets`' counts (and write its ``factors``), left on the device.
 
     Where a read costs the host nothing (``runtime.HOST_READS_WAIT`` false: the interpreter's tensors are host
     memory), an index out of range is a ValueError here, before any work. On the GPU the host never reads the
     counts: that would wait for the GPU every step and keep the step out of CUDA graphs. There the kernels skip
     such rows and the fused losses come out NaN, loss and gradients (:func:`nan_if_out_of_range`)."""
     check_target_tensor(target, expected_shape)
-    counts = count_targets(target.reshape(-1).contiguous(), n_classes, ignore_index)
+    counts = count_targets(target.reshape(-1).contiguous(), n_classes, ignore_index, factors=factors)
     if not runtime.HOST_READS_WAIT:
         kept_count(counts.tolist(), n_classes, ignore_index)
     return counts

@@ -72,7 +72,8 @@ def _scale_rows_into(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, o
 def _scale_rows_in_place(x: torch.Tensor, scale: torch.Tensor) -> None:
     """x *= scale, for ``x`` (..., n) with unit column stride and a scalar or per-row ``scale``; skipped on
     the GPU when the scale is exactly 1."""
-    scale_rows(rows_to_overwrite(x), scale)
+    # A gradient buffer the loss made is rows already; anything else is viewed as rows (no copy: it is written).
+    scale_rows(x if x.dim() == 2 and x.is_contiguous() else rows_to_overwrite(x), scale)
 
 
 @dataclass(frozen=True)

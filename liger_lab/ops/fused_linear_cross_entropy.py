@@ -81,7 +81,6 @@ from liger_lab.ops.cross_entropy import (
     count_targets,
     cross_entropy_rows,
     nan_if_out_of_range,
-    reduce_loss,
 )
 from liger_lab.ops.forward_grad import refuse_second_derivative, scale_rows
 from liger_lab.ops.operators import define
@@ -171,24 +170,27 @@ def _forward(
     rows, flat_target = chunked.token_rows(hidden, target)
     # Every target is counted and range-checked before anything is written: a ValueError in the interpreter
     # (hidden left intact), NaN loss and gradients on the GPU, where the counts stay on the device (check_target).
-    counts = check_target(target, hidden.shape[:-1], weight.shape[0], ignore_index)
-    valid = nan_if_out_of_range(counts)
+    # The count kernel also writes valid (1, NaN for a target out of range) and the mean's divisor, max(kept, 1)
+    # (NaN likewise): each a view of one small buffer rather than a few more ops per call.
+    factors = torch.empty(2, dtype=torch.float32, device=rows.device)
+    counts = check_target(target, hidden.shape[:-1], weight.shape[0], ignore_index, factors=factors)
+    valid, divisor = factors.unbind()
     per_token = reduction == "none"
     losses = loss.view(-1) if per_token else torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
-    divide, grad_scale = False, 1.0
+    divide, grad_scale, kept_factor = False, 1.0, None
     if reduction == "mean":
-        divide, grad_scale, kept_factor = chunked.mean_over_kept(counts[0], rows.shape[0], rows.dtype)
-        torch.mul(kept_factor, valid, out=owed)
-    else:
-        owed.copy_(valid)
+        divide, grad_scale, kept_factor = chunked.mean_over_kept(divisor, rows.shape[0], rows.dtype)
+    owed.copy_(valid if kept_factor is None else kept_factor)  # the divisor carries valid's NaN into kept_factor
     grads = chunked.ChunkGrads.asked(needs, grad_hidden.view(rows.shape) if needs[0] else None, grad_weight, grad_bias)
     chunk = chunk_rows(rows, weight, chunk_tokens, needs[0] and grad_hidden is not hidden)
     step = _cross_entropy_chunk(flat_target, losses, options, counts=counts, divide=divide)
     chunked.chunked_linear_loss(rows, weight, step, chunk=chunk, grads=grads, bias=bias, grad_scale=grad_scale)
     if per_token:
         losses.mul_(valid)
+    elif reduction == "mean":
+        torch.div(losses.sum(), divisor, out=loss)
     else:
-        torch.mul(reduce_loss(losses, reduction, counts[0], target.shape), valid, out=loss)
+        torch.mul(losses.sum(), valid, out=loss)
 
 
 def _backward(

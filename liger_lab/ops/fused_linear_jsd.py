@@ -98,7 +98,10 @@ def _forward(
     divide, grad_scale, kept_factor = chunked.mean_over_kept(kept, n_rows, student.dtype)
     if num_items is not None and not divide:  # mean_over_kept clamps a count at 1; a normalizer may be below it
         kept_factor = max(n_rows, 1) / kept
-    owed.copy_(kept_factor)
+    if kept_factor is None:
+        owed.fill_(1.0)
+    else:
+        owed.copy_(kept_factor)
     if chunk_tokens is None:
         other = student.numel() * student.element_size() if needs[0] else 0
         chunk_tokens = chunk_rows_for(n_rows, vocab, student.dtype, teacher.dtype, other_bytes=other)
