@@ -363,8 +363,9 @@ def grpo_options(
     loss_type: str = "dapo", importance_sampling_level: str = "token", beta: float = 0.0, epsilon_low: float = 0.2,
     epsilon_high: float | None = None, delta: float | None = None, **trl_options: object,
 ) -> tuple[GRPOOptions, TRLOptions]:  # fmt: skip
-    """Every loss option of :func:`liger_lab.fused_linear_grpo`, with its defaults, checked as it checks them: the
-    policy loss's (:meth:`GRPOOptions.checked`) and the rest, ``TRLOptions``' fields (:meth:`TRLOptions.checked`)."""
+    """Every loss option of :func:`liger_lab.fused_linear_grpo`, with its defaults, checked (ValueError naming the
+    option): the policy loss's (:meth:`GRPOOptions.checked`) and the rest, ``TRLOptions``' fields
+    (:meth:`TRLOptions.checked`). The kernel path and the float64 reference read a call through this."""
     o = GRPOOptions.checked(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
     return o, TRLOptions.checked(**trl_options)
 
