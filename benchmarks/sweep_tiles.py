@@ -224,7 +224,8 @@ def jsd_cases(settings: Settings, quick: bool, dtype: torch.dtype) -> list[Case]
     for beta in JSD_BETAS:
 
         def launch_with(launch: runtime.RowLaunch, beta: float = beta) -> tuple[torch.Tensor, torch.Tensor]:
-            jsd.jsd_rows(student, teacher, target, loss, beta, 1.0, -100, grad=grad, grad_scale=scale, launch=launch)
+            options = formulas.JSDOptions(beta=beta)
+            jsd.jsd_rows(student, teacher, target, loss, options, grad=grad, grad_scale=scale, launch=launch)
             return loss, grad
 
         # Fewest passes: read both inputs once (twice for the mixture, whose M needs both first) and write the grad.

@@ -1,8 +1,9 @@
 """What the float64 specification (:mod:`liger_lab.reference`) and the kernels (:mod:`liger_lab.ops`) share.
 
 The options of the losses, checked and resolved once as TRL's trainers take them (a ValueError naming the option),
-so that a kernel and its reference read the same call the same way; the few formulas both evaluate on the same
-numbers (:func:`rotate_half`, :func:`log1mexp`, TRL's GRPO loss on per-token log-probabilities,
+with the public functions' defaults (``tests/test_formulas.py`` holds them to the signatures), so that a kernel and its
+reference, which takes the options as keywords, read the same call the same way; the few formulas both evaluate on
+the same numbers (:func:`rotate_half`, :func:`log1mexp`, TRL's GRPO loss on per-token log-probabilities,
 :func:`loss_from_logps`); and the names of the RL head's outputs. No kernel and no operator here: this module
 imports neither :mod:`liger_lab.ops`' kernel modules nor the reference, and both import it.
 """
@@ -122,7 +123,8 @@ def log1mexp(a: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# Preference losses (DPO, ORPO, SimPO, KTO, CPO): the options as TRL 1.16's trainers take them
+# Preference losses (DPO, ORPO, SimPO, KTO, CPO): the options as TRL 1.16's trainers take them, each builder with its
+# public function's defaults
 
 
 ORPO_MAX_AVG_LOGP = -1e-6
@@ -189,7 +191,7 @@ def _check_smoothing(loss: str, loss_type: str, label_smoothing: float) -> float
     return label_smoothing
 
 
-def dpo_options(beta: float, loss_type: str, label_smoothing: float) -> PreferenceOptions:
+def dpo_options(beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> PreferenceOptions:
     """DPO's options as TRL 1.16's ``DPOConfig`` takes them, validated (ValueError naming the option)."""
     loss_type = check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
     beta = check_number("beta", beta, low=0)
@@ -201,20 +203,21 @@ def dpo_options(beta: float, loss_type: str, label_smoothing: float) -> Preferen
     return PreferenceOptions("dpo", loss_type, beta, label_smoothing=label_smoothing)
 
 
-def orpo_options(beta: float) -> PreferenceOptions:
+def orpo_options(beta: float = 0.1) -> PreferenceOptions:
     """ORPO's options, validated: the odds term's beta; the chosen NLL's weight is 1."""
     return PreferenceOptions("orpo", beta=check_number("beta", beta, low=0), nll_weight=1.0)
 
 
-def simpo_options(beta: float, gamma: float) -> PreferenceOptions:
+def simpo_options(beta: float = 2.0, gamma: float = 0.5) -> PreferenceOptions:
     """SimPO's options, validated (gamma, the target margin, may have either sign)."""
     beta, gamma = check_number("beta", beta, low=0), check_number("gamma", gamma)
     return PreferenceOptions("simpo", beta=beta, gamma=gamma)
 
 
 def cpo_options(
-    beta: float, loss_type: str, label_smoothing: float, cpo_alpha: float, simpo_gamma: float, alpha: float
-) -> PreferenceOptions:
+    beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0, cpo_alpha: float = 1.0,
+    simpo_gamma: float = 0.5, alpha: float = 0.0,
+) -> PreferenceOptions:  # fmt: skip
     """CPO's options as TRL 1.16's ``CPOConfig`` takes them, validated; "alphapo" resolved as its
     ``__post_init__`` resolves it (simpo with cpo_alpha = 0)."""
     loss_type = check_choice("loss_type", loss_type, CPO_LOSS_TYPES)
@@ -229,7 +232,9 @@ def cpo_options(
     return PreferenceOptions("cpo", loss_type, beta, simpo_gamma, label_smoothing, alpha, cpo_alpha)
 
 
-def kto_options(beta: float, loss_type: str, desirable_weight: float, undesirable_weight: float) -> PreferenceOptions:
+def kto_options(
+    beta: float = 0.1, loss_type: str = "kto", desirable_weight: float = 1.0, undesirable_weight: float = 1.0
+) -> PreferenceOptions:
     """KTO's options as TRL 1.16's ``KTOConfig`` takes them, validated."""
     loss_type = check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
     return PreferenceOptions(
@@ -352,6 +357,17 @@ class TRLOptions:
     @property
     def needs_entropy(self) -> bool:
         return self.entropy_coef != 0 or self.top_entropy_quantile < 1
+
+
+def grpo_options(
+    loss_type: str = "dapo", importance_sampling_level: str = "token", beta: float = 0.0, epsilon_low: float = 0.2,
+    epsilon_high: float | None = None, delta: float | None = None, **trl_options: object,
+) -> tuple[GRPOOptions, TRLOptions]:  # fmt: skip
+    """Every loss option of :func:`liger_lab.fused_linear_grpo`, with its defaults, checked (ValueError naming the
+    option): the policy loss's (:meth:`GRPOOptions.checked`) and the rest, ``TRLOptions``' fields
+    (:meth:`TRLOptions.checked`). The kernel path and the float64 reference read a call through this."""
+    o = GRPOOptions.checked(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
+    return o, TRLOptions.checked(**trl_options)
 
 
 def loss_from_logps(

@@ -172,13 +172,10 @@ def jsd(
 
 
 def fused_linear_jsd(
-    student_hidden: torch.Tensor,
-    student_weight: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_weight: torch.Tensor,
-    target: torch.Tensor | None = None,
-    **options: object,
-) -> torch.Tensor:
+    student_hidden: torch.Tensor, student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
+    target: torch.Tensor | None = None, **options: object,
+) -> torch.Tensor:  # fmt: skip
     """:func:`jsd` (its keyword ``options``) of the two heads' logits, ``student_hidden @ student_weight.T`` and
     ``teacher_hidden @ teacher_weight.T`` (hidden sizes may differ): what the fused kernel never materialises.
     The teacher's head is a constant."""
@@ -219,26 +216,19 @@ def _reference_sequence_logps(
 
 
 def fused_linear_dpo(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    ref_hidden: torch.Tensor | None = None,
-    ref_weight: torch.Tensor | None = None,
-    *,
-    beta: float = 0.1,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-    ref_logps: torch.Tensor | None = None,
-    ignore_index: int = -100,
-) -> torch.Tensor:
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+    ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None, *,
+    ref_logps: torch.Tensor | None = None, ignore_index: int = -100, **options: object,
+) -> torch.Tensor:  # fmt: skip
     """TRL 1.16's ``DPOTrainer`` loss (``f_divergence_type="reverse_kl"``, one loss type, no weighting): with the
     log-ratios chosen - ref_chosen and rejected - ref_rejected and delta their difference, the mean over pairs of
     sigmoid -logsigmoid(beta delta); hinge relu(1 - beta delta); ipo (the log-ratios over the completion lengths,
     clamped at 1, their difference - 1 / (2 beta))**2; robust (-(1 - ls) logsigmoid(beta delta)
     + ls logsigmoid(-beta delta)) / (1 - 2 ls). The reference's logps from ``ref_hidden @ ref_weight.T`` without
-    gradient, or ``ref_logps`` (2B,), chosen then rejected. Options checked as the kernel's
+    gradient, or ``ref_logps`` (2B,), chosen then rejected. The keyword ``options`` (``beta``, ``loss_type``,
+    ``label_smoothing``) with the kernel's defaults, checked as the kernel's
     (:func:`liger_lab.formulas.dpo_options`)."""
-    o = formulas.dpo_options(beta, loss_type, label_smoothing)
+    o = formulas.dpo_options(**options)
     beta, loss_type, label_smoothing = o.beta, o.loss_type, o.label_smoothing
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
@@ -262,20 +252,15 @@ def fused_linear_dpo(
 
 
 def fused_linear_orpo(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    beta: float = 0.1,
-    nll_target: torch.Tensor | None = None,
-    ignore_index: int = -100,
-) -> torch.Tensor:
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+    nll_target: torch.Tensor | None = None, ignore_index: int = -100, **options: object,
+) -> torch.Tensor:  # fmt: skip
     """ORPO: the chosen sequences' NLL averaged over their kept tokens (of ``nll_target`` (B, T) when given: TRL's
     ORPOTrainer takes it over prompt and response), minus beta * mean over pairs of logsigmoid(odds_c - odds_r),
     odds = avg - log(1 - exp(avg)) with avg = logp / max(count, 1) capped at :data:`ORPO_MAX_AVG_LOGP` (the
     kernel's), log(1 - exp(avg)) as the kernel's :func:`liger_lab.formulas.log1mexp` takes it (exact on both
-    sides of -log 2)."""
-    beta = formulas.orpo_options(beta).beta
+    sides of -log 2). ``options``: ``beta``, as the kernel's (:func:`liger_lab.formulas.orpo_options`)."""
+    beta = formulas.orpo_options(**options).beta
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
     nll_logp, nll_count = logp[:n_pairs], count[:n_pairs]
@@ -288,16 +273,11 @@ def fused_linear_orpo(
 
 
 def fused_linear_simpo(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    beta: float = 2.0,
-    gamma: float = 0.5,
-    ignore_index: int = -100,
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100, **options: object
 ) -> torch.Tensor:
-    """SimPO: mean over pairs of -logsigmoid(beta * (avg_c - avg_r) - gamma), avg = logp / max(count, 1)."""
-    o = formulas.simpo_options(beta, gamma)
+    """SimPO: mean over pairs of -logsigmoid(beta * (avg_c - avg_r) - gamma), avg = logp / max(count, 1); ``beta``
+    and ``gamma`` from the keyword ``options``, as the kernel's (:func:`liger_lab.formulas.simpo_options`)."""
+    o = formulas.simpo_options(**options)
     beta, gamma = o.beta, o.gamma
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
@@ -357,46 +337,32 @@ def fused_linear_logprobs(
 
 
 def fused_linear_grpo(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    old_logps: torch.Tensor | None = None,
-    ref_logps: torch.Tensor | None = None,
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    loss_type: str = "dapo",
-    importance_sampling_level: str = "token",
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    max_completion_length: int | None = None,
-    num_items_in_batch: torch.Tensor | float | None = None,
-    importance_sampling_ratio: torch.Tensor | None = None,
-    **trl_options: object,
-) -> torch.Tensor:
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, *,
+    old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
+    importance_sampling_ratio: torch.Tensor | None = None, max_completion_length: int | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None, temperature: float = 1.0, ignore_index: int = -100,
+    **options: object,
+) -> torch.Tensor:  # fmt: skip
     """TRL 1.16's ``GRPOTrainer._compute_loss`` (every loss type: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo,
     vespo; token or sequence importance sampling; the delta clamp; the k3 KL term and its bias correction; the vLLM
-    importance-sampling ratio; the off-policy mask; the high-entropy mask and the entropy bonus: ``trl_options``,
-    :class:`liger_lab.formulas.TRLOptions`' fields) on the plain logits of ``hidden @ weight.T / temperature``: the
-    log-probabilities (and entropies) of :func:`fused_linear_logprobs`, then
-    :func:`liger_lab.formulas.loss_from_logps`, TRL's text on them, which the tests hold against TRL's own method.
+    importance-sampling ratio; the off-policy mask; the high-entropy mask and the entropy bonus) on the plain logits
+    of ``hidden @ weight.T / temperature``: the log-probabilities (and entropies) of :func:`fused_linear_logprobs`,
+    then :func:`liger_lab.formulas.loss_from_logps`, TRL's text on them, which the tests hold against TRL's own
+    method.
 
     hidden (B, T, H) at completion positions, target (B, T) the completion tokens with ``ignore_index`` at padding
     (TRL's completion_mask), advantages (B,) or (B, T), old_logps and ref_logps (B, T) or None: constants, like the
-    advantages. The options are checked, and epsilon_high defaulted, as the kernel's
-    (:meth:`liger_lab.formulas.GRPOOptions.checked`, :meth:`liger_lab.formulas.TRLOptions.checked`)."""
-    o = formulas.GRPOOptions.checked(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
-    t = formulas.TRLOptions.checked(**trl_options)
+    advantages. The keyword ``options`` are the loss's (``GRPOConfig``'s names: ``loss_type``, ``beta``,
+    ``epsilon_low``, ...), with the kernel's defaults, checked, and epsilon_high defaulted, as the kernel's
+    (:func:`liger_lab.formulas.grpo_options`)."""
+    o, t = formulas.grpo_options(**options)
     out = fused_linear_logprobs(
         hidden, weight, target, temperature=temperature, ignore_index=ignore_index, entropy=t.needs_entropy
     )
     logps, entropies = out if t.needs_entropy else (out, None)
     return formulas.loss_from_logps(
         logps, target != ignore_index, advantages, o, t, entropies=entropies, old_logps=old_logps,
-        ref_logps=ref_logps if o.beta else None, importance_sampling_ratio=importance_sampling_ratio,
+        ref_logps=ref_logps, importance_sampling_ratio=importance_sampling_ratio,
         max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
     )  # fmt: skip
 
@@ -405,31 +371,20 @@ def fused_linear_grpo(
 
 
 def fused_linear_kto(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    label: torch.Tensor,
-    ref_hidden: torch.Tensor | None = None,
-    ref_weight: torch.Tensor | None = None,
-    *,
-    ref_logps: torch.Tensor | None = None,
-    kl: torch.Tensor | float | None = None,
-    kl_logps: torch.Tensor | None = None,
-    ref_kl_logps: torch.Tensor | None = None,
-    beta: float = 0.1,
-    loss_type: str = "kto",
-    desirable_weight: float = 1.0,
-    undesirable_weight: float = 1.0,
-    ignore_index: int = -100,
-) -> torch.Tensor:
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, label: torch.Tensor,
+    ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None, *,
+    ref_logps: torch.Tensor | None = None, kl: torch.Tensor | float | None = None,
+    kl_logps: torch.Tensor | None = None, ref_kl_logps: torch.Tensor | None = None, ignore_index: int = -100,
+    **options: object,
+) -> torch.Tensor:  # fmt: skip
     """TRL 1.16's ``KTOTrainer`` loss, its text: hidden (B, T, H) completions, ``label`` (B,) nonzero for the
     desirable ones; the KL estimate ``kl`` as given, or (kl_logps - ref_kl_logps).mean().clamp(min=0), or 0; the
     weighted per-completion losses concatenated (desirable first) and averaged as TRL 1.16 does, by ``nanmean`` (a
     completion whose loss is NaN drops out; 0 for no completion at all, where TRL's nanmean is NaN). The
-    reference's logps from its head without gradient, or ``ref_logps`` (B,). Options checked, and the estimate
-    taken, as the kernel's (:func:`liger_lab.formulas.kto_options`,
-    :func:`~liger_lab.formulas.kl_estimate`)."""
-    o = formulas.kto_options(beta, loss_type, desirable_weight, undesirable_weight)
+    reference's logps from its head without gradient, or ``ref_logps`` (B,). The keyword ``options`` (``beta``,
+    ``loss_type``, ``desirable_weight``, ``undesirable_weight``) with the kernel's defaults, checked, and the estimate
+    taken, as the kernel's (:func:`liger_lab.formulas.kto_options`, :func:`~liger_lab.formulas.kl_estimate`)."""
+    o = formulas.kto_options(**options)
     beta, desirable_weight, undesirable_weight = o.beta, o.desirable_weight, o.undesirable_weight
     logps, _ = sequence_logps(hidden, weight, target, ignore_index)
     ref = _reference_sequence_logps(ref_hidden, ref_weight, ref_logps, target, ignore_index, logps.dtype)
@@ -450,24 +405,15 @@ def fused_linear_kto(
 
 
 def fused_linear_cpo(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    beta: float = 0.1,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-    cpo_alpha: float = 1.0,
-    simpo_gamma: float = 0.5,
-    alpha: float = 0.0,
-    ignore_index: int = -100,
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100, **options: object
 ) -> torch.Tensor:
     """TRL 1.16's ``CPOTrainer`` loss, its text: ``losses.mean() + cpo_alpha * nll_loss``, the sequence scores the
     mean token log-probability for ipo and simpo (over max(count, 1) kept tokens, where TRL's 0 / 0 is NaN) and the
     sum otherwise, AlphaPO's reward (1 - p^-alpha) / alpha when alpha != 0, and the NLL the chosen rows'
     cross-entropy (0 when no chosen token is kept). "alphapo" is simpo with cpo_alpha = 0, as CPOConfig makes it:
-    the options are checked and resolved as the kernel's (:func:`liger_lab.formulas.cpo_options`)."""
-    o = formulas.cpo_options(beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha)
+    the keyword ``options`` (``beta``, ``loss_type``, ``label_smoothing``, ``cpo_alpha``, ``simpo_gamma``, ``alpha``),
+    with the kernel's defaults, are checked and resolved as the kernel's (:func:`liger_lab.formulas.cpo_options`)."""
+    o = formulas.cpo_options(**options)
     loss_type, beta, label_smoothing, cpo_alpha, alpha = o.loss_type, o.beta, o.label_smoothing, o.nll_weight, o.alpha
     n_pairs = hidden.shape[0] // 2
     logp, count = sequence_logps(hidden, weight, target, ignore_index)
@@ -496,15 +442,9 @@ def fused_linear_cpo(
 
 
 def mrope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    mrope_section: list[int],
-    *,
-    unsqueeze_dim: int = 1,
-    interleaved: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mrope_section: list[int], *,
+    unsqueeze_dim: int = 1, interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Multimodal RoPE: cos, sin (3, B or 1, T, D) hold one table per position stream (temporal, height, width).
     Feature pair i (features i and i + D/2) takes its cos and sin from one stream: the first mrope_section[0] pairs
     from the temporal one, the next mrope_section[1] from height, the rest from width; ``interleaved`` (Qwen3-VL):

@@ -109,13 +109,14 @@ def _forward(
     teacher_logits = torch.empty(min(chunk_tokens, n_rows), vocab, dtype=teacher.dtype, device=device)
     # dd/dz times 1 / kept in the kernel's fp32 registers (fp32), or unscaled (see mean_over_kept).
     dz_scale = 1.0 / kept if divide else torch.ones((), dtype=torch.float32, device=device)
+    options = JSDOptions(beta, temperature, ignore_index)
 
     def jsd_step(z: torch.Tensor, rows: slice, write_grad: bool) -> None:
         y = teacher_logits[: z.shape[0]]
         torch.mm(teacher[rows], teacher_weight.t(), out=y)
         rows_target = None if flat_target is None else flat_target[rows]
         jsd_rows(
-            z, y, rows_target, losses[rows], beta, temperature, ignore_index,
+            z, y, rows_target, losses[rows], options,
             grad=z if write_grad else None, grad_scale=dz_scale, entropy=entropy[rows] if with_entropy else None,
         )  # fmt: skip
 

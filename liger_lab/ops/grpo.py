@@ -74,9 +74,9 @@ from liger_lab.formulas import (  # noqa: F401  (chapter 14 reads them here)
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,
     GRPOOptions,
-    TRLOptions,
     check_ignore_index,
     check_number,
+    grpo_options,
     loss_from_logps,
 )
 from liger_lab.ops import chunked
@@ -298,7 +298,13 @@ def fused_linear_grpo(
     interpreter, while on the GPU, which checks it without making the host wait, it makes the loss and the gradients
     NaN. The caller's tensors are never modified.
     """
-    o = GRPOOptions.checked(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
+    o, t = grpo_options(
+        loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta,
+        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
+        top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=off_policy_mask_threshold,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
+        vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+    )  # fmt: skip
     check_ignore_index(ignore_index)
     temperature = check_number("temperature", temperature, positive=True)
     chunked.check_head(hidden, weight, layout=f"(B, T, H), {COMPLETIONS}")
@@ -314,12 +320,6 @@ def fused_linear_grpo(
         raise ValueError(f"max_completion_length is {max_completion_length!r}: expected None or a positive int")
     num_items_value, num_items = _check_num_items(num_items_in_batch)
     accumulation = chunked.check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
-    t = TRLOptions.checked(
-        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
-        top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=off_policy_mask_threshold,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
-        vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
-    )  # fmt: skip
     if importance_sampling_ratio is not None:
         chunked.check_values(
             "importance_sampling_ratio",

@@ -235,24 +235,23 @@ def jsd_rows(
     teacher: torch.Tensor,
     target: torch.Tensor | None,
     loss: torch.Tensor,
-    beta: float,
-    temperature: float,
-    ignore_index: int,
+    options: JSDOptions,
     *,
     grad: torch.Tensor | None = None,
     grad_scale: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     launch: runtime.RowLaunch | None = None,
 ) -> None:
-    """Launch the kernel on (rows, V) views with unit column stride: each row's divergence (fp32, 0 for an
-    ignored row) into ``loss`` (rows,); when ``grad`` (rows, V) is given, dd/dz times ``grad_scale`` (an
-    fp32 scalar tensor on the device) into it; when ``entropy`` (rows,) fp32 is given, the entropy of the student's
-    softmax(z / T) per row into it (0 for an ignored row). ``target``: flat (rows,) integers, or None to keep every
-    row.
+    """Launch the kernel on (rows, V) views with unit column stride: each row's divergence under ``options`` (checked
+    by the caller; fp32, 0 for an ignored row) into ``loss`` (rows,); when ``grad`` (rows, V) is given, dd/dz times
+    ``grad_scale`` (an fp32 scalar tensor on the device) into it; when ``entropy`` (rows,) fp32 is given, the entropy
+    of the student's softmax(z / T) per row into it (0 for an ignored row). ``target``: flat (rows,) integers, or None
+    to keep every row.
     ``launch``: the tiling, :func:`liger_lab.runtime.streaming_row_launch` by default (a sweep passes its own)."""
     n_rows, n_cols = student.shape
     if n_rows == 0:
         return
+    beta, temperature, ignore_index = options.beta, options.temperature, options.ignore_index
     mode = mode_of(beta)
     log_beta, log_1m_beta = (math.log(beta), math.log1p(-beta)) if mode == MIXTURE else (0.0, 0.0)
     launch = launch or runtime.streaming_row_launch(n_rows, n_cols, gpu_tile=GPU_TILE)
@@ -294,7 +293,7 @@ def _jsd_into(
     times ``grad_scale`` (an fp32 scalar on the device: the kept count is never read by the host)."""
     rows = as_rows(student_logits)
     flat_target = None if target is None else target.reshape(-1).contiguous()
-    jsd_rows(rows, as_rows(teacher_logits), flat_target, loss, beta, temperature, ignore_index,
+    jsd_rows(rows, as_rows(teacher_logits), flat_target, loss, JSDOptions(beta, temperature, ignore_index),
              grad=grad.view(rows.shape) if compute_grad else None, grad_scale=grad_scale)  # fmt: skip
 
 
