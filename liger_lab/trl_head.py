@@ -11,13 +11,13 @@ log-probs, every statistic TRL asks for (entropy, ``log_sum_sq_probs``, ``mean_l
 token accuracy, KTO the mean logit) and the gradient of every loss built on them come from liger_lab's kernels, in
 one pass over the vocabulary, soft-capped and scaled logits included (``final_logit_softcapping``, ``logit_scale``:
 Gemma 2, Cohere, Granite). TRL's own head runs 0 times. TRL looks the function up on each call, so the patch works
-whether the trainer was built before or after it. What stays TRL's: the losses themselves (DPO's sigmoid, GRPO's
-clipping, KTO's KL estimate...), TRL's own code on our log-probs. As in TRL, ``log_sum_sq_probs``, ``mean_logits``
+whether the trainer was built before or after it. What stays TRL's: the losses themselves (DPO's sigmoid, KTO's KL
+estimate...), TRL's own code on our log-probs, except GRPO's (below). As in TRL, ``log_sum_sq_probs``, ``mean_logits``
 and ``is_top1`` carry no gradient here.
 
 ``liger_lab.patch(model)`` patches the backbone (norms, RoPE, MLP) as usual; the two compose in either order.
 
-Three more things happen while TRL is patched:
+Four more things happen while TRL is patched:
 
 * **The reference model computes as the policy does.** DPO, KTO, GRPO and RLOO load their reference model from the
   policy's path. When the policy was patched as an object (``liger_lab.patch(model)``), that fresh copy would run
@@ -32,6 +32,19 @@ Three more things happen while TRL is patched:
   the same kernel. TRL's path stays where liger_lab's would not compute the same thing: a head with a bias or
   soft-capped logits (``final_logit_softcapping``); for GKD also scaled logits, a LoRA adapter on the head, a
   vision-language model or a prompt-learning adapter; and GKD's evaluation, which asks for the logits.
+* **GRPO's loss runs on** :func:`liger_lab.fused_linear_grpo`. ``GRPOTrainer._compute_loss`` asks the model for
+  the policy's log-probs and entropies, builds its loss from them and logs its metrics (clip ratios, KL, entropy).
+  Under the patch, the policy's head call in it is served by the fused loss instead: the hidden states and head
+  weight TRL's fused forward hands the head, with TRL's options (``GRPOConfig`` and the micro-batch: loss type,
+  importance-sampling level, clipping, the KL term and its bias correction, vLLM's importance-sampling ratio, the
+  entropy mask and bonus), make the loss and its gradient (three matmuls, not the head's four), and the same pass
+  gives the log-probs and entropies, without gradient, that TRL's own code then reads for its metrics. The loss
+  TRL returns keeps its value (its terms outside the policy loss included) and takes the fused loss's gradient,
+  scaled as TRL scales its loss for gradient accumulation. The reference's and the old policy's log-probs still
+  come from the RL head. TRL's loss, on liger_lab's head, stays where the fused loss would not compute the same
+  thing: a head with a bias or soft-capped logits, ``off_policy_mask_threshold`` (TRL compares with vLLM's sampling
+  log-probs), ``top_entropy_quantile`` < 1 on several processes (TRL's quantile spans them), and a subclass with
+  its own ``_compute_loss`` or ``_get_per_token_logps_and_entropies``.
 * **What is not served is said.** Such a trainer or option, and the experimental CPO and ORPO trainers (their
   losses come from full logits), warn once, count a fallback, and :func:`liger_lab.patch_report` of the model names
   them; a trainer served here shows there as served.
@@ -45,6 +58,7 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -54,6 +68,7 @@ from liger_lab.hf import api as hf_api
 from liger_lab.hf import loss as hf_loss
 from liger_lab.hf import report as hf_report
 from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
+from liger_lab.ops.grpo import fused_linear_grpo
 from liger_lab.ops.logprobs import fused_linear_logprobs
 
 
@@ -61,7 +76,7 @@ class LigerLabHead:
     """Stands in for ``trl.kernels.ChunkedLogProbFunction``: the same ``apply`` call and the same five outputs
     (log-probs, entropy, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; None for those not asked for).
 
-    ``calls`` counts the calls liger_lab served (head calls, and divergences of the distillation trainers);
+    ``calls`` counts the calls liger_lab served (head calls, GRPO's losses, divergences of the distillation trainers);
     ``fallbacks`` counts the trainers built while patched whose loss, or one of whose options, liger_lab does not
     serve (the module docstring names them); TRL's head itself serves none, since the RL head computes every output
     and transform TRL's has."""
@@ -70,6 +85,8 @@ class LigerLabHead:
         self.trl_function = trl_function
         self.calls = 0
         self.fallbacks = 0
+        self.grpo: _GRPOCall | None = None
+        """Set while a GRPOTrainer's loss is computed: the policy's head call is served by its fused loss."""
 
     def apply(
         self,
@@ -86,6 +103,11 @@ class LigerLabHead:
         # TRL's head computes in the autocast dtype when autocast is on (and the weight is cast chunk by chunk); the
         # RL head takes one dtype for hidden and weight, so both are cast once, outside autocast.
         dtype = _compute_dtype(hidden)
+        if self.grpo is not None and bias is None and final_logit_softcapping is None:
+            with torch.autocast(hidden.device.type, enabled=False):
+                log_probs, entropy = self.grpo.serve(hidden.to(dtype), weight.to(dtype), temperature, logit_scale)
+            self.calls += 1
+            return log_probs, entropy, None, None, None
         wanted = tuple(name for name in HEAD_OUTPUTS if name in outputs)
         with torch.autocast(hidden.device.type, enabled=False):
             cast_bias = None if bias is None else bias.to(dtype)
@@ -221,11 +243,19 @@ def _name_unserved(trainer: object, why: str) -> None:
     warnings.warn(f"liger_lab.patch_trl: {name}'s loss stays TRL's: {why}", stacklevel=4)
 
 
+_NAMED_TRAINERS: weakref.WeakSet[object] = weakref.WeakSet()
+"""Trainers :func:`_name_served_or_not` has named: once each, whether built under the patch or before it."""
+
+
 def _name_served_or_not(unserved: Callable[[object], str | None], served: str) -> Callable[[object], None]:
-    """After a distillation trainer is built: name what stays TRL's (``unserved(trainer)`` says why, or None), or
-    record ``served`` for patch_report."""
+    """After a trainer whose loss liger_lab serves is built (or when it first computes its loss, if it was built
+    before the patch): name what stays TRL's (``unserved(trainer)`` says why, or None), or record ``served`` for
+    patch_report. Once per trainer."""
 
     def after(trainer: object) -> None:
+        if trainer in _NAMED_TRAINERS:
+            return
+        _NAMED_TRAINERS.add(trainer)
         why = unserved(trainer)
         if why is not None:
             _name_unserved(trainer, why)
@@ -411,6 +441,147 @@ def _gkd_loss(trainer: object, model: nn.Module, inputs: dict[str, torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------------
+# GRPOTrainer: its loss on fused_linear_grpo, from the hidden states and weight TRL's fused head is given.
+
+_GRPO = "trl.GRPOTrainer"
+_GRPO_SERVED = "GRPOTrainer's loss (fused_linear_grpo)"
+_NORMALIZED_BY_ITEMS = ("cispo", "dapo", "vespo")
+"""GRPO's loss types whose loss TRL divides by ``num_items_in_batch`` (the others: by their own counts)."""
+
+
+def _grpo_unserved(trainer: object) -> str | None:
+    """Why GRPOTrainer's loss stays TRL's (liger_lab's head, TRL's loss on its log-probs), or None."""
+    trainer_class = _trainer_class(_GRPO)
+    for name in ("_compute_loss", "_get_per_token_logps_and_entropies"):
+        if getattr(type(trainer), name) is not getattr(trainer_class, name):
+            return f"{type(trainer).__name__} has its own {name}"
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        return "its lm_head has a bias, which fused_linear_grpo does not take"
+    if getattr(model.config.get_text_config(), "final_logit_softcapping", None) is not None:
+        return "its logits are soft-capped (final_logit_softcapping), which fused_linear_grpo does not do"
+    if trainer.off_policy_mask_threshold is not None:
+        return ("off_policy_mask_threshold: TRL's mask compares the policy with vLLM's sampling log-probs, or "
+                "with itself without old log-probs, where fused_linear_grpo compares it with old_logps")  # fmt: skip
+    if trainer.top_entropy_quantile < 1 and trainer.accelerator.num_processes > 1:
+        return "top_entropy_quantile < 1 on several processes: TRL's quantile is over the tokens of every process"
+    return None
+
+
+_name_grpo = _name_served_or_not(_grpo_unserved, _GRPO_SERVED)
+
+
+@dataclass
+class _GRPOCall:
+    """One ``GRPOTrainer._compute_loss`` under the patch: what :meth:`serve` needs of the trainer and the micro-batch,
+    and the fused loss it made (None until then)."""
+
+    trainer: object
+    inputs: dict[str, torch.Tensor]
+    loss: torch.Tensor | None = None
+
+    @property
+    def training(self) -> bool:
+        return self.trainer.model.training  # TRL's own test for its "train" and "eval" modes
+
+    @property
+    def scale(self) -> float:
+        """What TRL's loss is to fused_linear_grpo's: 1 / the gradient accumulation steps (training), and for the
+        loss types over ``num_items_in_batch`` (a count over the generation batch of every process) the processes
+        times the generation's steps over the accumulation's."""
+        trainer = self.trainer
+        accumulation = trainer.current_gradient_accumulation_steps if self.training else 1
+        if trainer.loss_type not in _NORMALIZED_BY_ITEMS:
+            return 1.0 / accumulation
+        processes = trainer.accelerator.num_processes
+        return processes * trainer.args.steps_per_generation / accumulation if self.training else float(processes)
+
+    def options(self) -> dict[str, object]:
+        """TRL's loss options, by fused_linear_grpo's names, from the trainer and the micro-batch."""
+        trainer, args, inputs = self.trainer, self.trainer.args, self.inputs
+        vespo = trainer.loss_type == "vespo"
+        vllm_ratio = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+        entropy_coef = 0.0
+        if trainer._entropy_bonus_enabled:  # TRL's bonus is a mean over tokens, over the accumulation steps only
+            adaptive_off = trainer.use_adaptive_entropy and trainer._last_world_entropy > args.entropy_target
+            accumulation = trainer.current_gradient_accumulation_steps if self.training else 1
+            entropy_coef = 0.0 if adaptive_off else trainer.entropy_coef / (accumulation * self.scale)
+        return dict(
+            old_logps=inputs.get("old_per_token_logps"),
+            ref_logps=inputs["ref_per_token_logps"] if trainer.beta != 0 else None,
+            beta=trainer.beta, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, delta=args.delta,
+            loss_type=trainer.loss_type, importance_sampling_level=trainer.importance_sampling_level,
+            max_completion_length=trainer.max_completion_length,
+            num_items_in_batch=inputs["num_items_in_batch"] if trainer.loss_type in _NORMALIZED_BY_ITEMS else None,
+            use_bias_correction_kl=args.use_bias_correction_kl,
+            importance_sampling_ratio=inputs.get("importance_sampling_ratio") if vespo or vllm_ratio else None,
+            entropy_coef=entropy_coef, top_entropy_quantile=trainer.top_entropy_quantile,
+            sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+        )  # fmt: skip
+
+    def serve(
+        self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's head call in TRL's layout (``hidden`` the rows TRL's fused forward scores, of one dtype with
+        ``weight``): keeps fused_linear_grpo's loss and returns its log-probs and entropies for those rows, without
+        gradient, for TRL's metrics. TRL scores, after the shift, the last (completion) columns of B x (L - 1)
+        positions: on Triton's devices only the labelled ones (the completion mask's), elsewhere every one."""
+        if self.loss is not None:  # the micro-batch's rows came in two calls: the loss of one would be wrong
+            raise RuntimeError("liger_lab.patch_trl: GRPOTrainer's policy head was called twice in one _compute_loss")
+        inputs = self.inputs
+        completion = inputs["completion_mask"].bool()
+        n_sequences, width = completion.shape
+        keep = completion if "tool_mask" not in inputs else completion & inputs["tool_mask"].bool()
+        positions = inputs["prompt_ids"].shape[1] + width - 1
+        compact = _trl_utils()._use_triton(hidden.device)
+        if compact:
+            rows = hidden.new_zeros(n_sequences, width, hidden.shape[-1])
+            rows = rows.masked_scatter(completion[..., None], hidden)
+        else:
+            rows = hidden.reshape(n_sequences, positions, hidden.shape[-1])[:, -width:]
+        if logit_scale != 1:  # the same logits: the head is linear
+            rows = rows * logit_scale
+        target = inputs["completion_ids"].masked_fill(~keep, -100)
+        self.loss, log_probs, entropy = fused_linear_grpo(
+            rows, weight, target, inputs["advantages"], temperature=temperature, per_token=True, **self.options()
+        )
+        if compact:
+            return log_probs[completion], entropy[completion]
+        every = []
+        for values in (log_probs, entropy):
+            full = values.new_zeros(n_sequences, positions)
+            full[:, -width:] = values
+            every.append(full.reshape(-1))
+        return every[0], every[1]
+
+
+def _served_grpo_loss(trl_compute_loss: Callable) -> Callable:
+    """``GRPOTrainer._compute_loss`` with the policy's head call served by :meth:`_GRPOCall.serve`: TRL's own code
+    then runs on fused_linear_grpo's log-probs and entropies, which carry no gradient, and logs its metrics from
+    them as it does; the loss it returns keeps TRL's value (its terms outside the policy loss, the MoE load
+    balancing, included) and takes the fused loss's gradient, scaled as TRL scales its loss. TRL's own where
+    :func:`_grpo_unserved` finds a reason, named once."""
+
+    def _compute_loss(self, model, inputs):
+        _name_grpo(self)
+        head = _trl_utils()._ChunkedLogProbFunction
+        if not isinstance(head, LigerLabHead) or _grpo_unserved(self) is not None:
+            return trl_compute_loss(self, model, inputs)
+        call = head.grpo = _GRPOCall(self, inputs)
+        try:
+            loss = trl_compute_loss(self, model, inputs)
+        finally:
+            head.grpo = None
+        if call.loss is None:  # the head was given a bias or a soft cap after all: TRL's loss on our head's log-probs
+            return loss
+        return loss + call.scale * (call.loss - call.loss.detach())
+
+    return _compute_loss
+
+
+# ---------------------------------------------------------------------------------------------------
 # patch_report's lines, and the patch itself.
 
 
@@ -461,6 +632,11 @@ def _replacements() -> list[tuple[object, str, Callable[[Callable], Callable]]]:
     if _trainer_class(_DISTILLATION) is not None:
         made.append((importlib.import_module("trl.trainer.distillation_trainer"), "_chunked_divergence_loss",
                      _served_divergence))  # fmt: skip
+    grpo = _trainer_class(_GRPO)
+    made += [
+        (grpo, "__init__", _after_init(_name_grpo)),
+        (grpo, "_compute_loss", _served_grpo_loss),
+    ]
     gkd = _name_served_or_not(_gkd_unserved, "GKDTrainer's generalized JSD (fused_linear_jsd)")
     made += [
         (_trainer_class(_GKD), "__init__", _after_init(gkd)),

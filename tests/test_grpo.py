@@ -283,9 +283,10 @@ def _forward(hidden, weight, target, advantages, old, level, chunk):
     allocated as the operator allocates them: called through the operator, a dispatch mode would see only it."""
     options = formulas.GRPOOptions.checked("dapo", level, 0.0, 0.2, None, None)
     args = (hidden, weight, target, advantages, old, None, None, *options.arguments(), 1.0, -100, None, None, chunk,
-            "fp32", [True, True, False])  # fmt: skip
-    loss = hidden.new_empty((), dtype=torch.float32)
-    grpo._forward(*args, loss, *operators.allocate_outputs(grpo._forward, chunked.grad_outputs(), args))
+            "fp32", False, [True, True, False])  # fmt: skip
+    loss, no_logps, no_entropies = (hidden.new_empty(shape, dtype=torch.float32) for shape in ((), 0, 0))
+    grads = operators.allocate_outputs(grpo._forward, chunked.grad_outputs(), args)
+    grpo._forward(*args, loss, no_logps, no_entropies, *grads)
 
 
 @pytest.mark.parametrize(
@@ -320,14 +321,41 @@ def test_without_grad_and_caller_tensors_unmodified():
     assert all(torch.equal(t.detach(), b) for t, b in zip(tensors, before, strict=True))
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"importance_sampling_level": "sequence", "beta": 0.1}, {"loss_type": "sapo", "use_bias_correction_kl": True}],
+    ids=["fused", "sequence_with_first_pass", "rl_head_path"],
+)
+def test_per_token_outputs_are_the_rl_head_s_and_change_nothing_else(options):
+    """``per_token=True`` adds each token's logp and entropy, without gradient, equal to the RL head's, on the fused
+    path and on the RL head's path alike; the loss and its gradients are those of the plain call."""
+    hidden, weight, target, advantages, old, ref = inputs()
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    options = {"old_logps": old, "ref_logps": ref, **options}
+    plain = liger_lab.fused_linear_grpo(hidden, weight, target, advantages, **options)
+    loss, logps, entropies = liger_lab.fused_linear_grpo(hidden, weight, target, advantages, per_token=True, **options)
+    expected = liger_lab.fused_linear_logprobs(hidden, weight, target, entropy=True)
+    for got, want in zip((logps, entropies), expected, strict=True):
+        assert got.shape == target.shape and not got.requires_grad
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=0)
+    assert torch.equal(loss.detach(), plain.detach())
+    grads = [torch.autograd.grad(value, [hidden, weight]) for value in (loss, plain)]
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="per_token"):
+        liger_lab.fused_linear_grpo(hidden, weight, target, advantages, per_token=1)
+
+
 def test_operator_with_every_optional_tensor_passes_opcheck():
     """The table's row runs the default call (every opcheck test, torch.compile); this covers the old, ref and
-    num_items tensors and the first logp pass. Not test_schema: it runs the op under a mode that checks every aten
-    call of the interpreted kernels (4 s here), and these read-only inputs change nothing it checks."""
+    num_items tensors, the first logp pass and the per-token outputs. Not test_schema: it runs the op under a mode
+    that checks every aten call of the interpreted kernels (4 s here), and these read-only inputs change nothing it
+    checks."""
     hidden, weight, target, advantages, old, ref = inputs()
     num_items = torch.tensor(30.0, device=runtime.DEVICE)
     args = (hidden, weight, target, advantages, old, ref, num_items, "cispo", "sequence", 0.1, 0.2, 3.0, None, 0.9,
-            -100, None, None, None, "fp32", [True, True, False])  # fmt: skip
+            -100, None, None, None, "fp32", True, [True, True, False])  # fmt: skip
     tests = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.liger_lab.fused_linear_grpo, args, test_utils=tests)
 

@@ -48,12 +48,14 @@ def _length_reward(completions, **kwargs):
     return [float(len(completion)) for completion in completions]
 
 
-def _trainer(kind: str, model_dir: str, output_dir: str, model=None):
+def _trainer(kind: str, model_dir: str, output_dir: str, model=None, **options):
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     common = dict(
         output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2, report_to=[], logging_steps=1,
         use_cpu=True, save_strategy="no", learning_rate=1e-3, bf16=False, seed=0,
     )  # fmt: skip
+    if kind not in ("grpo", "rloo") and options:
+        raise ValueError(f"options {options} are for GRPO and RLOO")
     prompts = [_text(i, 3) for i in range(8)]
     model_dir = model_dir if model is None else model
     if kind == "sft":
@@ -68,13 +70,13 @@ def _trainer(kind: str, model_dir: str, output_dir: str, model=None):
         data = datasets.Dataset.from_dict({**columns, "label": [i % 2 == 0 for i in range(8)]})
         return trl.KTOTrainer(model_dir, args=trl.KTOConfig(**common), train_dataset=data, processing_class=tokenizer)
     config, trainer = {"grpo": (trl.GRPOConfig, trl.GRPOTrainer), "rloo": (trl.RLOOConfig, trl.RLOOTrainer)}[kind]
-    args = config(**common, num_generations=2, max_completion_length=4, beta=0.04)
+    args = config(**{**common, "num_generations": 2, "max_completion_length": 4, "beta": 0.04, **options})
     data = datasets.Dataset.from_dict({"prompt": prompts})
     return trainer(model_dir, reward_funcs=_length_reward, args=args, train_dataset=data, processing_class=tokenizer)
 
 
-def _train(kind, model_dir, output_dir, *, patched):
-    trainer = _trainer(kind, model_dir, output_dir)
+def _train(kind, model_dir, output_dir, *, patched, **options):
+    trainer = _trainer(kind, model_dir, output_dir, **options)
     head = liger_lab.patch_trl() if patched else None
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -105,6 +107,94 @@ def test_trainer_runs_on_liger_lab_head_like_on_trl_s_own(kind, tiny_model_dir, 
             assert math.isclose(our_row[name], their_row[name], rel_tol=METRIC_TOL, abs_tol=METRIC_TOL), (step, name)
     # SFT logs the token accuracy and KTO the mean logit: liger_lab's head computes those too, with nothing to say.
     assert messages == [], messages
+
+
+def _assert_same_logs(ours, theirs, tol):
+    assert len(ours) == len(theirs) == STEPS
+    for step, (our_row, their_row) in enumerate(zip(ours, theirs, strict=True), 1):
+        assert our_row.keys() == their_row.keys()
+        for name in our_row.keys() - UNCOMPARED:
+            assert math.isclose(our_row[name], their_row[name], rel_tol=tol, abs_tol=tol), (step, name)
+
+
+@pytest.fixture
+def head_calls(monkeypatch):
+    """Calls of TRL's own head, of liger_lab's RL head in patch_trl's head, and of fused_linear_grpo there."""
+    from trl.kernels import ChunkedLogProbFunction
+
+    calls = {"trl": 0, "rl_head": 0, "fused_linear_grpo": 0}
+
+    def counted(key, function):
+        def call(*args, **kwargs):
+            calls[key] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    trl_forward = ChunkedLogProbFunction.forward
+    monkeypatch.setattr(ChunkedLogProbFunction, "forward", staticmethod(counted("trl", trl_forward)))
+    monkeypatch.setattr(trl_head, "fused_linear_logprobs", counted("rl_head", trl_head.fused_linear_logprobs))
+    monkeypatch.setattr(trl_head, "fused_linear_grpo", counted("fused_linear_grpo", trl_head.fused_linear_grpo))
+    return calls
+
+
+GRPO_OPTIONS = {
+    "default": {"beta": 0.0},
+    # The KL term (without TRL's default bias correction: the fused loss's three matmuls), over two accumulation
+    # steps, with old log-probabilities (two iterations per generation), so that ratios leave 1 and clip.
+    "dapo_kl": {"beta": 0.04, "use_bias_correction_kl": False, "num_iterations": 2, "gradient_accumulation_steps": 2,
+                "epsilon": 0.001},
+    "grpo_sequence": {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.0, "num_iterations": 2,
+                      "epsilon": 0.001},
+    # TRL's default bias-corrected KL, and the entropy bonus on the high-entropy tokens (fused_linear_grpo's
+    # RL-head path, four matmuls).
+    "bias_corrected_kl": {"beta": 0.04},
+    "sapo_entropy_bonus": {"loss_type": "sapo", "beta": 0.0, "entropy_coef": 0.01, "top_entropy_quantile": 0.5},
+    # The rows TRL's fused forward scores on a GPU: only the completion's (on the CPU it scores every position).
+    "compact_rows": {"loss_type": "bnpo", "beta": 0.04, "use_bias_correction_kl": False},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", GRPO_OPTIONS)
+def test_grpo_runs_on_fused_linear_grpo_like_on_trl_s_own(config, tiny_model_dir, tmp_path, head_calls, monkeypatch):
+    """GRPO's loss from fused_linear_grpo on the policy's hidden states: the policy's head runs 0 times (liger_lab's
+    RL head serves only the reference's and the old policy's log-probs, as many calls as TRL's head makes for them),
+    and the loss and every logged metric (clip ratios, KL, entropy...) agree with TRL alone to 1e-5 over 3 steps."""
+    if config == "compact_rows":
+        monkeypatch.setattr("trl.trainer.utils._use_triton", lambda device: True)
+    options = GRPO_OPTIONS[config]
+    theirs, _, _ = _train("grpo", tiny_model_dir, str(tmp_path / "trl"), patched=False, **options)
+    steps = STEPS * options.get("gradient_accumulation_steps", 1)
+    other_calls = head_calls["trl"] - steps  # the reference's and the old policy's log-probs
+    assert other_calls >= (STEPS if options.get("beta") else 0)
+    head_calls["trl"] = 0
+    ours, head, messages = _train("grpo", tiny_model_dir, str(tmp_path / "liger_lab"), patched=True, **options)
+    assert head_calls == {"trl": 0, "rl_head": other_calls, "fused_linear_grpo": steps}, head_calls
+    assert (head.calls, head.fallbacks, messages) == (steps + other_calls, 0, [])
+    _assert_same_logs(ours, theirs, tol=1e-5)
+    assert any(row.get("clip_ratio/region_mean", 0) > 0 for row in ours) or config not in ("dapo_kl", "grpo_sequence")
+
+
+def test_a_grpo_option_not_served_keeps_trl_s_loss_and_is_named(tiny_model_dir, tmp_path, head_calls):
+    """off_policy_mask_threshold: TRL's mask compares with vLLM's sampling log-probs, which fused_linear_grpo does
+    not take, so GRPO's loss stays TRL's on liger_lab's head: one warning, one fallback, patch_report's line."""
+    options = {"off_policy_mask_threshold": 0.5, "beta": 0.0}
+    theirs, _, _ = _train("grpo", tiny_model_dir, str(tmp_path / "trl"), patched=False, **options)
+    head_calls["trl"] = 0
+    trainer = _trainer("grpo", tiny_model_dir, str(tmp_path / "liger_lab"), **options)
+    head = liger_lab.patch_trl()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+    finally:
+        liger_lab.unpatch_trl()
+    messages = [str(w.message) for w in caught if "liger_lab" in str(w.message)]
+    assert len(messages) == 1 and "off_policy_mask_threshold" in messages[0], messages
+    assert "GRPOTrainer's loss stays TRL's" in messages[0]
+    assert head.fallbacks == 1 and head_calls == {"trl": 0, "rl_head": STEPS, "fused_linear_grpo": 0}, head_calls
+    assert "off_policy_mask_threshold" in liger_lab.patch_report(trainer.model).left_alone["TRL trainer"]
+    _assert_same_logs([row for row in trainer.state.log_history if "loss" in row], theirs, tol=1e-5)
 
 
 def test_outputs_and_gradients_match_trl_s_head():

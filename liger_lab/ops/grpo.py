@@ -80,6 +80,7 @@ from liger_lab.formulas import (  # noqa: F401  (chapter 14 reads them here)
     loss_from_logps,
 )
 from liger_lab.ops import chunked
+from liger_lab.ops.common import row_count
 from liger_lab.ops.cross_entropy import check_target, check_target_tensor
 from liger_lab.ops.fused_linear_cross_entropy import chunk_rows
 from liger_lab.ops.logprobs import fused_linear_logprobs, logprob_grad_rows, logprob_rows
@@ -159,12 +160,13 @@ def _forward(
     old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None, num_items: torch.Tensor | None, loss_type: str,
     importance_sampling_level: str, beta: float, epsilon_low: float, epsilon_high: float, delta: float | None,
     temperature: float, ignore_index: int, max_completion_length: int | None, num_items_value: float | None,
-    chunk_tokens: int | None, accumulation: str, needs: list[bool], loss: torch.Tensor, grad_hidden: torch.Tensor,
-    grad_weight: torch.Tensor, grad_bias: torch.Tensor, owed: torch.Tensor,
+    chunk_tokens: int | None, accumulation: str, per_token: bool, needs: list[bool], loss: torch.Tensor,
+    logps: torch.Tensor, entropies: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor,
+    grad_bias: torch.Tensor, owed: torch.Tensor,
 ) -> None:  # fmt: skip
-    """The operator's work, into its outputs: the fp32 loss and the gradients ``needs`` asks for, which owe only
-    the upstream gradient. dapo's and cispo's num_items_in_batch is ``num_items`` (a device tensor) or
-    ``num_items_value`` (a host number)."""
+    """The operator's work, into its outputs: the fp32 loss, with ``per_token`` each token's logp and entropy (else
+    both empty), and the gradients ``needs`` asks for, which owe only the upstream gradient. dapo's and cispo's
+    num_items_in_batch is ``num_items`` (a device tensor) or ``num_items_value`` (a host number)."""
     o = GRPOOptions(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
     n_sequences, seq_len, _ = hidden.shape
     counts = check_target(target, hidden.shape[:-1], weight.shape[0], ignore_index)  # before any work
@@ -178,11 +180,12 @@ def _forward(
     ref = flat(ref_logps) if o.beta != 0 else None
     tokens = _Tokens(mask.reshape(-1), weights, flat(adv), flat(old_logps), ref)
     chunk = chunk_rows(rows, weight, chunk_tokens, needs[0])
-    logp = torch.empty(n_tokens, dtype=torch.float32, device=device)
+    logp = logps if per_token else torch.empty(n_tokens, dtype=torch.float32, device=device)
     stats = torch.empty(min(chunk, n_tokens), 2, dtype=torch.float32, device=device)
 
-    def logp_step(z: torch.Tensor, chunk_: slice, write_grad: bool) -> None:
-        logprob_rows(z, flat_target[chunk_], logp[chunk_], stats[: z.shape[0]], counts, temperature, ignore_index)
+    def logp_step(z: torch.Tensor, chunk_: slice, write_grad: bool, entropy: torch.Tensor | None = None) -> None:
+        stats_ = stats[: z.shape[0]]
+        logprob_rows(z, flat_target[chunk_], logp[chunk_], stats_, counts, temperature, ignore_index, entropy)
 
     if o.level == "sequence":
         seq_log_ratio = torch.zeros(n_sequences, dtype=torch.float32, device=device)
@@ -201,7 +204,7 @@ def _forward(
     scale = float(max(n_tokens, 1))  # the row scale g B T; its 1 / (B T) goes on the matmuls' alpha
 
     def step(z: torch.Tensor, chunk_: slice, write_grad: bool) -> None:
-        logp_step(z, chunk_, write_grad)
+        logp_step(z, chunk_, write_grad, entropies[chunk_] if per_token else None)
         values[chunk_], grad = token_terms(logp[chunk_], tokens, chunk_, o)
         if write_grad:
             stats_ = stats[: z.shape[0]]
@@ -213,11 +216,16 @@ def _forward(
     owed.fill_(1.0)
 
 
+def _per_token_output(hidden: torch.Tensor, per_token: bool) -> torch.Tensor:
+    return hidden.new_empty(row_count(hidden) if per_token else 0, dtype=torch.float32)
+
+
 FUSED_LINEAR_GRPO = define(
     "fused_linear_grpo", _forward,
-    outputs={"loss": lambda hidden: hidden.new_empty((), dtype=torch.float32), **chunked.grad_outputs()},
+    outputs={"loss": lambda hidden: hidden.new_empty((), dtype=torch.float32),
+             "logps": _per_token_output, "entropies": _per_token_output, **chunked.grad_outputs()},
 )  # fmt: skip
-_LOSS = chunked.FusedLoss("fused_linear_grpo", FUSED_LINEAR_GRPO)
+_LOSS = chunked.FusedLoss("fused_linear_grpo", FUSED_LINEAR_GRPO, metrics=2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,7 +273,8 @@ def fused_linear_grpo(
     vespo_lambda_neg: float = 2.0,
     chunk_tokens: int | None = None,
     accumulation: str | None = None,
-) -> torch.Tensor:
+    per_token: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """TRL 1.16's ``GRPOTrainer._compute_loss`` for one micro-batch, fused with the LM head (no N x V logits).
 
     hidden (B, T, H) at the completion positions and weight (V, H) of one dtype; target (B, T) the completion tokens,
@@ -291,7 +300,10 @@ def fused_linear_grpo(
     :func:`~liger_lab.formulas.loss_from_logps`, TRL's formula on its log-probabilities: four matmuls instead of
     three, exactly TRL's values.
 
-    Returns a float32 scalar. Gradients reach hidden and weight only (the rest are constants, as in TRL); they are
+    Returns a float32 scalar; with ``per_token=True`` also each token's logp and entropy (B, T), float32, 0 at
+    padding, without gradient: what TRL logs besides the loss (its clip ratios, KL and entropy metrics), from the same
+    pass over the vocabulary (the entropy costs the head's forward kernel one more running sum, no matmul). Gradients
+    reach hidden and weight only (the rest are constants, as in TRL); they are
     made in the forward, so the graph can be backpropagated once. ``chunk_tokens`` and ``accumulation`` as in
     :func:`liger_lab.fused_linear_cross_entropy`. Bad input (shapes, dtypes, an unknown loss_type or level,
     beta != 0 without ref_logps, options out of their range) raises ValueError; so does a target out of range in the
@@ -320,6 +332,8 @@ def fused_linear_grpo(
         raise ValueError(f"max_completion_length is {max_completion_length!r}: expected None or a positive int")
     num_items_value, num_items = _check_num_items(num_items_in_batch)
     accumulation = chunked.check_chunk_options("chunk_tokens", chunk_tokens, accumulation)
+    if not isinstance(per_token, bool):
+        raise ValueError(f"per_token is {per_token!r}: expected True or False")
     if importance_sampling_ratio is not None:
         chunked.check_values(
             "importance_sampling_ratio",
@@ -343,19 +357,22 @@ def fused_linear_grpo(
     if t.off_policy_mask_threshold is not None and old_logps is None:
         raise ValueError("off_policy_mask_threshold compares with the sampling policy: it needs old_logps")
     if o.loss_type not in FUSED_LOSS_TYPES or not t.fused or importance_sampling_ratio is not None:
+        with_entropy = t.needs_entropy or per_token
         out = fused_linear_logprobs(
-            hidden, weight, target, temperature=temperature, ignore_index=ignore_index, entropy=t.needs_entropy,
+            hidden, weight, target, temperature=temperature, ignore_index=ignore_index, entropy=with_entropy,
             chunk_tokens=chunk_tokens, accumulation=accumulation,
         )  # fmt: skip
-        logps, entropies = out if t.needs_entropy else (out, None)
-        return loss_from_logps(
+        logps, entropies = out if with_entropy else (out, None)
+        loss = loss_from_logps(
             logps, target != ignore_index, advantages, o, t, entropies=entropies, old_logps=old_logps,
             ref_logps=ref_logps if o.beta else None, importance_sampling_ratio=importance_sampling_ratio,
             max_completion_length=max_completion_length,
             num_items_in_batch=num_items if num_items is not None else num_items_value,
         )  # fmt: skip
+        return (loss, logps.detach(), entropies.detach()) if per_token else loss
     needs = chunked.needed_grads(hidden, weight)
     constants = [None if t is None else t.detach() for t in (advantages, old_logps, ref_logps if o.beta else None)]
     arguments = (*o.arguments(), temperature, ignore_index, max_completion_length, num_items_value, chunk_tokens,
-                 accumulation, needs)  # fmt: skip
-    return chunked.run_loss(_LOSS, (hidden, weight, target, *constants, num_items), arguments)
+                 accumulation, per_token, needs)  # fmt: skip
+    loss, logps, entropies = chunked.run_loss(_LOSS, (hidden, weight, target, *constants, num_items), arguments)
+    return (loss, logps.view(target.shape), entropies.view(target.shape)) if per_token else loss
