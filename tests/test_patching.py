@@ -403,6 +403,9 @@ def test_unsupported_models_raise():
         liger_lab.patch(gpt2)
     with pytest.raises(ValueError, match="PreTrainedModel"):
         liger_lab.patch(torch.nn.Linear(2, 2))
+    # A model type with no row for a known reason says the reason and what to patch instead.
+    with pytest.raises(ValueError, match="'llama4' is not supported: .*'llama4_text'"):
+        liger_lab.patch("llama4")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         liger_lab.unpatch(tiny_model("llama"))  # unpatching an unpatched model changes nothing

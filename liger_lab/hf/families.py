@@ -430,7 +430,19 @@ FAMILIES: dict[str, Family] = {
 """Model types (``config.model_type``) that :func:`~liger_lab.hf.patch` supports."""
 
 
+WITHOUT_ROW = {
+    "llama4": "transformers' Llama4ForConditionalGeneration cannot run a forward in the version installed (it reads "
+    "image_outputs from its language model's output, which has none: AttributeError on every call), so there is no "
+    "reference to hold a fused model to; its language model is a Llama4ForCausalLM: patch that one "
+    "(liger_lab.patch(model.language_model)) or the model type 'llama4_text'",
+}
+"""Model types of Liger-Kernel's list that have no row here, and why: :func:`family_row` says so instead of a bare
+"not supported"."""
+
+
 def family_row(model_type: object) -> Family:
+    if model_type in WITHOUT_ROW:
+        raise ValueError(f"model type {model_type!r} is not supported: {WITHOUT_ROW[model_type]}")
     if model_type not in FAMILIES:
         raise ValueError(f"model type {model_type!r} is not supported: expected one of {sorted(FAMILIES)}")
     return FAMILIES[model_type]
