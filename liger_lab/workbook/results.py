@@ -85,7 +85,7 @@ def row(name: str, **match: object) -> dict:
 
 
 def source(name: str, timer: str | None = None) -> str:
-    """Where the numbers of ``name`` come from, in one line: GPU, versions, date, clock and file."""
+    """Where the numbers of ``name`` come from, in one line: GPU, versions, date, commit, clock and file."""
     rows = load(name)
     first = rows[0]
     # A CPU measurement (benchmarks/host_time.py) names its machine, versions and runs in one record.
@@ -99,7 +99,10 @@ def source(name: str, timer: str | None = None) -> str:
     clock = timer or next((row["timer"] for row in rows if row.get("timer")), None)  # ceiling rows have none
     where = first.get("gpu") or (f"{machine['cpu']} ({machine['cores']} cores, CPU)" if "cpu" in machine else None)
     dates = [run["date"] for run in first.get("runs", {}).values() if "date" in run]
-    parts = [where or "unknown GPU", versions, first.get("date") or max(dates, default="undated")]
+    # The commit measured: one run of one commit is the rule; a file merged from several runs names each.
+    commits = ", ".join(dict.fromkeys(row["commit"] for row in rows if row.get("commit")))
+    parts = [where or "unknown GPU", versions, first.get("date") or max(dates, default="undated"),
+             commits and f"commit {commits}"]  # fmt: skip
     clock_text = f"; {TIMERS.get(clock, clock)}" if clock else ""
     return f"{', '.join(part for part in parts if part)}{clock_text} ({name})"
 
