@@ -120,12 +120,13 @@ def patch_command(model_type: str, dry_run: bool) -> None:
     sizes = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8)  # fmt: skip
     config = transformers.AutoConfig.for_model(model_type, **sizes)
-    if hasattr(config, "vision_config"):
+    if hasattr(config, "vision_config") or FAMILIES[model_type].vision_encoder:
         # A vision tower's default config is full size (hundreds of millions of parameters), and its tiny sizes
         # differ per family: no one set of sizes builds them all small.
+        kind = "vision encoder" if FAMILIES[model_type].vision_encoder else "vision-language family"
         raise click.UsageError(
-            f"{model_type} is a vision-language family: this command builds tiny text models only. In Python, "
-            "build the model from a config with a small vision_config and print "
+            f"{model_type} is a {kind}: this command builds tiny text models only. In Python, "
+            "build the model from a config with a small vision tower and print "
             "liger_lab.patch_report(liger_lab.patch(model))."
         )
     model = transformers.AutoModelForCausalLM.from_config(config)

@@ -287,9 +287,11 @@ def test_patch_dry_run_reports_a_family():
     assert CliRunner().invoke(cli.main, ["patch", "bert", "--dry-run"]).exit_code != 0  # not a family
 
 
-def test_patch_says_how_to_report_a_vision_language_family():
+def test_patch_says_how_to_report_a_vision_language_family_or_encoder():
     result = CliRunner().invoke(cli.main, ["patch", "qwen2_5_vl"])
     assert result.exit_code == 2 and "vision-language family" in result.output and "patch_report" in result.output
+    result = CliRunner().invoke(cli.main, ["patch", "pixtral"])
+    assert result.exit_code == 2 and "vision encoder" in result.output and "patch_report" in result.output
 
 
 def test_patch_without_a_family_lists_each_family_once():

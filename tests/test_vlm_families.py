@@ -20,10 +20,10 @@ from test_patching import (  # noqa: F401  (fused_calls: a fixture)
     lora_model,
     tiny_model,
 )
-from tiny_vlms import CONFIGS, MIXTURES_OF_EXPERTS, image_batch, tiny_vlm
+from tiny_vlms import CONFIGS, MIXTURES_OF_EXPERTS, PIXTRAL, TEXT, image_batch, tiny_vlm
 
 import liger_lab
-from liger_lab import hf
+from liger_lab import hf, runtime
 from liger_lab.hf.families import modeling_of
 from liger_lab.hf.registry import original_of
 from liger_lab.ops import rope as rope_ops
@@ -34,9 +34,11 @@ transformers = pytest.importorskip("transformers")
 VLMS = sorted(CONFIGS)
 
 RMSNORM, MLP, ROPE, ADD = "RMSNorm", "gated MLP (SwiGLU/GeGLU)", "attention (RoPE)", "residual add into RMSNorm"
-LOSS, VISION_RMSNORM = "loss (fused linear cross-entropy)", "RMSNorm (vision tower, projector)"
+LOSS, VISION = "loss (fused linear cross-entropy)", "(vision tower, projector)"
+VISION_RMSNORM, VISION_MLP, VISION_ROPE = (f"{kind} {VISION}" for kind in (RMSNORM, MLP, ROPE))
 # Per family: the kinds fused. Qwen2.5-VL's vision blocks and patch merger, and Gemma 3's projector, normalise with the
-# language model's RMSNorm class; every other module of the vision side is transformers'.
+# language model's RMSNorm class; a Pixtral tower (the pixtral row's, in a LLaVA) is fused by a row of its own; every
+# other module of the vision side is transformers'.
 REPORTS = {
     "qwen2_5_vl": {RMSNORM, MLP, ROPE, ADD, LOSS, VISION_RMSNORM},
     "qwen3_vl": {RMSNORM, MLP, ROPE, ADD, LOSS},
@@ -54,7 +56,11 @@ REPORTS = {
     "glm4v_moe": {RMSNORM, MLP, ROPE, ADD, LOSS, "MoE experts (SwiGLU)"},
     "mllama": {RMSNORM, MLP, ROPE, LOSS},
     "muse_glimmer": {RMSNORM, MLP, ROPE, LOSS},
+    "pixtral": {RMSNORM, MLP, ROPE, ADD, LOSS, VISION_RMSNORM, VISION_MLP, VISION_ROPE},
 }
+# The fused classes of the vision side: the language model's norm class, or a vision encoder's own row's pieces.
+VISION_SIDE_FUSED = {"FusedQwen2_5_VLRMSNorm", "FusedGemma3RMSNorm", "FusedGemma4RMSNorm", "FusedGlm4vRMSNorm",
+                     "FusedPixtralRMSNorm", "FusedPixtralMLP", "FusedPixtralAttention"}  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -143,9 +149,9 @@ def test_patch_report_names_the_vision_tower_and_projector_left_alone(model_type
     vision_side = [module for name, module in model.named_modules() if name.startswith("model.") and
                    not name.startswith(("model.language_model", "model.text_model"))]  # fmt: skip
     fused = {type(module).__name__ for module in vision_side if type(module).__name__.startswith("Fused")}
-    # the language model's class, nothing else
-    assert fused <= {"FusedQwen2_5_VLRMSNorm", "FusedGemma3RMSNorm", "FusedGemma4RMSNorm", "FusedGlm4vRMSNorm"}
-    assert report.replaced.get(VISION_RMSNORM, 0) == len([m for m in vision_side if type(m).__name__ in fused])
+    assert fused <= VISION_SIDE_FUSED
+    counted = sum(count for kind, count in report.replaced.items() if kind.endswith(VISION))
+    assert counted == len([m for m in vision_side if type(m).__name__ in fused])
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen3_vl_moe"])
@@ -272,4 +278,97 @@ def test_a_patched_qwen2_5_vl_pickles_with_its_own_mlp_class():
         assert relative_l2_error(loaded(**batch).loss, model(**batch).loss) < LOSS_TOL
     liger_lab.unpatch(loaded)
     assert type(loaded.model.language_model.layers[0].mlp) is modeling_of("qwen2_5_vl").Qwen2MLP
+    liger_lab.unpatch(model)
+
+
+# Pixtral's vision encoder: a row of its own (its model type is the tower's), fused inside a LLaVA (the runs over every
+# family above) and by itself, here.
+
+
+def tiny_pixtral(**overrides) -> transformers.PreTrainedModel:
+    """A bare PixtralVisionModel of the pixtral row's tiny tower, its norm weights random as tiny_model's."""
+    vision = {key: value for key, value in {**PIXTRAL, **overrides}.items() if key != "model_type"}
+    model = transformers.PixtralVisionModel(transformers.PixtralVisionConfig(**vision, attn_implementation="eager"))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(1.0, 0.3)
+    return model.to(runtime.DEVICE).train()
+
+
+def encode(model, pixel_values, probe):
+    """The tower's output on one image, and every gradient of a fixed projection of it."""
+    model.zero_grad(set_to_none=True)
+    out = model(pixel_values).last_hidden_state
+    (out * probe).sum().backward()
+    return out.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_a_bare_pixtral_vision_model_runs_its_pieces_on_the_fused_kernels():
+    """patch(PixtralVisionModel): its norms, gated MLP and 2-D RoPE (tables of (patches, head_dim), unsqueezed in
+    front by its attention: the kernel's tables shared by the batch) run the fused kernels, on one image of 2 x 3
+    patches (height and width angles differ); the output and every gradient are transformers'; the report says what
+    is fused and left alone (no loss: a vision encoder has none); unpatch gives back the classes and the RoPE."""
+    reference = tiny_pixtral()
+    model = liger_lab.patch(copy.deepcopy(reference))
+    pixel_values = torch.randn(1, 3, 8, 12, device=runtime.DEVICE)
+    probe = torch.randn(1, 6, PIXTRAL["hidden_size"], device=runtime.DEVICE)
+    with OpCalls() as calls:
+        ours, our_grads = encode(model, pixel_values, probe)
+    theirs, their_grads = encode(reference, pixel_values, probe)
+    ran = {name.rstrip("_") for name in calls.ran()}
+    assert {"rms_norm", "rms_norm_backward", "glu", "rope", "rope_backward"} <= ran, ran
+    assert relative_l2_error(ours, theirs) < 1e-5
+    assert_same_gradients(our_grads, their_grads)
+    report = liger_lab.patch_report(model)
+    assert report.replaced == {RMSNORM: 5, MLP: 2, ROPE: 2} and set(report.left_alone) == {"vision tower"}
+    modeling = modeling_of("pixtral")
+    liger_lab.unpatch(model)
+    assert {type(m) for m in model.modules()} == {type(m) for m in reference.modules()}
+    assert modeling.apply_rotary_pos_emb is original_of(modeling, "apply_rotary_pos_emb")
+
+
+def test_pixtral_patched_by_model_type():
+    """patch("pixtral") swaps its norm, MLP and attention classes and its apply_rotary_pos_emb (there is no forward
+    to wrap): a tower built then is fused; unpatch("pixtral") puts them back. patch("llava") leaves a Pixtral tower
+    alone, and the report says so."""
+    modeling = modeling_of("pixtral")
+    originals = {name: getattr(modeling, name) for name in ("PixtralRMSNorm", "PixtralMLP", "PixtralAttention")}
+    rope, forward = modeling.apply_rotary_pos_emb, modeling.PixtralVisionModel.forward
+    liger_lab.patch("pixtral")
+    try:
+        assert all(getattr(modeling, name).__name__ == f"Fused{name}" for name in originals)
+        assert modeling.apply_rotary_pos_emb is not rope and modeling.PixtralVisionModel.forward is forward
+        assert liger_lab.patch_report(tiny_pixtral()).replaced == {RMSNORM: 5, MLP: 2, ROPE: 2}
+    finally:
+        liger_lab.unpatch("pixtral")
+    assert all(getattr(modeling, name) is original for name, original in originals.items())
+    assert modeling.apply_rotary_pos_emb is rope
+    liger_lab.patch("llava")  # Llama's classes and LLaVA's loss: the report says the tower was not patched
+    try:
+        report = liger_lab.patch_report(tiny_vlm("pixtral"))
+        assert report.left_alone["vision tower"].startswith("Pixtral, not patched")
+        assert VISION_MLP not in report.replaced and MLP in report.replaced
+    finally:
+        liger_lab.unpatch("llava")
+
+
+def test_a_pixtral_tower_of_erf_gelu_keeps_transformers_mlp_and_says_so():
+    """Pixtral's config defaults to erf-GELU, which no fused kernel computes: the tower's MLP stays transformers'
+    (with a warning, and a line of the report), its norms and RoPE are fused, and the step is transformers'."""
+    config = CONFIGS["pixtral"](TEXT, hidden_act="gelu")
+    reference = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
+    reference = reference.to(runtime.DEVICE).train()
+    with pytest.warns(UserWarning, match="activation 'gelu': PixtralMLP stays as it is"):
+        model = liger_lab.patch(copy.deepcopy(reference))
+    report = liger_lab.patch_report(model)
+    assert report.left_alone["vision tower MLP"] == "activation 'gelu' has no fused kernel"
+    assert VISION_MLP not in report.replaced and {VISION_RMSNORM, VISION_ROPE} <= set(report.replaced)
+    assert all(type(layer.feed_forward) is modeling_of("pixtral").PixtralMLP
+               for layer in model.model.vision_tower.transformer.layers)  # fmt: skip
+    batch = image_batch(reference)
+    ours, our_grads = training_step(model, batch)
+    theirs, their_grads = training_step(reference, batch)
+    assert relative_l2_error(ours.loss, theirs.loss) < LOSS_TOL
+    assert_same_gradients(our_grads, their_grads)
     liger_lab.unpatch(model)

@@ -198,6 +198,21 @@ def _llava(text: dict) -> transformers.PreTrainedConfig:
                                     image_token_index=IMAGE, image_seq_length=IMAGE_TOKENS)  # fmt: skip
 
 
+# Pixtral on 2 x 2 patches of 4 pixels (each image's four patches are its four tokens: LLaVA's projector merges none),
+# head_dim 8 for its 2-D RoPE (two height and two width angles). Its features are every patch of the last layer, as
+# Pixtral-12B's config asks. SiLU, the checkpoints' activation (the config's default is erf-GELU, with no fused kernel).
+PIXTRAL = dict(model_type="pixtral", image_size=IMAGE_SIZE, patch_size=4, hidden_size=16, intermediate_size=24,
+               num_hidden_layers=2, num_attention_heads=2, hidden_act="silu")  # fmt: skip
+
+
+def _pixtral(text: dict, **vision) -> transformers.PreTrainedConfig:
+    # LLaVA with a Llama text config and a Pixtral vision tower: the pixtral row's tiny model (the tower's own model
+    # type is Pixtral's; the model's is LLaVA's).
+    return transformers.LlavaConfig(text_config={"model_type": "llama", **text}, vision_config={**PIXTRAL, **vision},
+                                    image_token_index=IMAGE, vision_feature_layer=-1,
+                                    vision_feature_select_strategy="full")  # fmt: skip
+
+
 CONFIGS = {
     "qwen2_5_vl": _qwen2_5_vl,
     "qwen3_vl": _qwen3_vl,
@@ -215,6 +230,7 @@ CONFIGS = {
     "glm4v_moe": _glm4v_moe,
     "mllama": _mllama,
     "muse_glimmer": _muse_glimmer,
+    "pixtral": _pixtral,
 }
 """The tiny config of each vision-language family, from the language model's settings."""
 MIXTURES_OF_EXPERTS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4", "glm4v_moe")
@@ -297,6 +313,8 @@ def image_batch(model: transformers.PreTrainedModel, batch_size: int = 2, seq: i
         batch["pixel_values"] = torch.randn(batch_size, 1, 3, IMAGE_SIZE, IMAGE_SIZE)
     else:
         batch["pixel_values"] = torch.randn(batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
+    if model.config.vision_config.model_type == "pixtral":  # each image's height and width, as its processor gives
+        batch["image_sizes"] = torch.tensor([[IMAGE_SIZE, IMAGE_SIZE]] * batch_size)
     if model_type in ("gemma3", "paligemma"):
         batch["token_type_ids"] = (input_ids == IMAGE).long()  # 1: image, attended bidirectionally
     labels = input_ids.masked_fill(input_ids >= TEXT_TOKENS, -100)

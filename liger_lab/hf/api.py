@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from liger_lab.hf.families import Options, family_row, modeling_of
+from liger_lab.hf.families import FAMILIES, Options, family_row, modeling_of
 from liger_lab.hf.loss import (
     causal_lm_class,
     is_class_forward,
@@ -56,7 +56,8 @@ def patch(
 
     ``model_or_model_type`` is a model type string (``"llama"``, one of :data:`~liger_lab.hf.FAMILIES`), which patches
     the family's classes, or a model instance (a PEFT wrapper is looked through), patched in place with
-    its parameters and state dict unchanged. ``rms_norm`` covers a family's norms (Nemotron's are LayerNorms that
+    its parameters and state dict unchanged; a vision encoder inside it that has a row of its own (a LLaVA's Pixtral
+    tower) is fused by that row. ``rms_norm`` covers a family's norms (Nemotron's are LayerNorms that
     scale by 1 + w). ``swiglu`` covers the gated MLP of every family (GeGLU for
     Gemma) and the SiLU (Gemma 4: tanh-GELU) experts of a mixture of experts run by transformers' eager loop.
     ``fused_linear_cross_entropy`` computes the training loss without logits;
@@ -139,7 +140,7 @@ def _patch_family(model_type: str, options: Options) -> None:
     replacements = [(modeling, name, piece.fused) for name, piece in pieces.items()]
     if options.rope and family.rope:
         replacements.append((modeling, family.rope_function, rope_dispatcher(family, modeling)))
-    if options.loss:
+    if options.loss and not family.vision_encoder:  # a vision encoder has no loss
         forward = loss_forward_of(
             model_type, options.fused_linear_cross_entropy, options.cross_entropy, options.loss_chunk_tokens
         )
@@ -193,24 +194,55 @@ def _check_language_model(model_type: str, config: object) -> None:
         )
 
 
+def family_parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The parts of a model that rows of :data:`~liger_lab.hf.FAMILIES` fuse, as (model type, module): the model
+    under its own type, then each vision encoder inside it that has a row of its own (``Family.vision_encoder``: a
+    LLaVA's Pixtral ``vision_tower``), under that encoder's config's type."""
+    from transformers import PreTrainedModel
+
+    parts = [(getattr(model.config, "model_type", None), model)]
+    for module in model.modules():
+        row = FAMILIES.get(getattr(getattr(module, "config", None), "model_type", None))
+        if module is not model and isinstance(module, PreTrainedModel) and row is not None and row.vision_encoder:
+            parts.append((module.config.model_type, module))
+    return parts
+
+
 def _patch_model(model: nn.Module, options: Options) -> None:
     model_type = getattr(model.config, "model_type", None)
-    family, modeling = family_row(model_type), modeling_of(model_type)
+    family = family_row(model_type)
     _check_language_model(model_type, model.config)
+    for part_type, part in family_parts(model):
+        _fuse_part(part_type, part, options, holder=model)
+    if options.loss and not family.vision_encoder:  # a vision encoder has no loss
+        causal_lm = causal_lm_class(model_type)
+        # A subclass with its own forward, or a family patched at class level, keeps the forward it has.
+        if isinstance(model, causal_lm) and type(model).forward is original_of(causal_lm, "forward"):
+            set_patched_forward(
+                model, model_type, fused=options.fused_linear_cross_entropy, cross_entropy=options.cross_entropy,
+                chunk_tokens=options.loss_chunk_tokens,
+            )  # fmt: skip
+    _INSTANCE_OPTIONS[model] = options
+
+
+def _fuse_part(model_type: str, part: nn.Module, options: Options, *, holder: nn.Module) -> None:
+    """Give the modules of ``part`` that are pieces of ``model_type``'s row their fused classes, and hold the row's
+    RoPE swap for ``holder``, the patched model."""
+    family, modeling = family_row(model_type), modeling_of(model_type)
     pieces = fused_classes(family, modeling, options)
-    # The language model's activation (a vision-language model's config holds it in its text config).
-    activation = getattr(model.config.get_text_config(), family.act_attr, None)
+    # The part's activation (a vision-language model's config holds its language model's in its text config).
+    activation = getattr(part.config.get_text_config(), family.act_attr, None)
     if gated_kernel(activation) is None:  # the gated pieces (dense MLP, experts) have SwiGLU and GeGLU kernels
         for name, piece in list(pieces.items()):
             if piece.kind.gated:
                 kind = piece.kind.suffix
                 warnings.warn(
-                    f"no fused kernel for the {kind} activation {activation!r}: {name} stays as it is", stacklevel=3
+                    f"no fused kernel for the {kind} activation {activation!r}: {name} stays as it is", stacklevel=4
                 )
                 del pieces[name]
     piece_of = {piece.original: piece for piece in pieces.values()}
     fused_names = {piece.original.__name__: piece.fused.__name__ for piece in pieces.values()}
-    for name, module in model.named_modules():
+    for name, module in part.named_modules():
         no_split = module.__dict__.get("_no_split_modules")  # each PreTrainedModel's own (transformers' post_init)
         if no_split and any(kept in fused_names for kept in no_split):
             module._no_split_modules = _with_fused_names(no_split, fused_names)
@@ -221,21 +253,12 @@ def _patch_model(model: nn.Module, options: Options) -> None:
         if name.rpartition(".")[2] in family.in_place_norms:
             module.in_place_backward = True
     if options.rope and family.rope:
-        hold(modeling, family.rope_function, rope_dispatcher(family, modeling), model)
-    causal_lm = causal_lm_class(model_type)
-    # A subclass with its own forward, or a family patched at class level, keeps the forward it has.
-    if options.loss and isinstance(model, causal_lm) and type(model).forward is original_of(causal_lm, "forward"):
-        set_patched_forward(
-            model, model_type, fused=options.fused_linear_cross_entropy, cross_entropy=options.cross_entropy,
-            chunk_tokens=options.loss_chunk_tokens,
-        )  # fmt: skip
-    _INSTANCE_OPTIONS[model] = options
+        hold(modeling, family.rope_function, rope_dispatcher(family, modeling), holder)
 
 
 def _unpatch_model(model: nn.Module) -> None:
-    model_type = getattr(model.config, "model_type", None)
-    family = family_row(model_type)
-    modeling = modeling_of(model_type)
+    # The RoPE swap of each part's row: held by the model, or by an unpickled fused attention of that part.
+    swaps = [(modeling_of(part_type), family_row(part_type).rope_function) for part_type, _ in family_parts(model)]
     fused_names = {fused.__name__ for fused in UNFUSED}
     for module in model.modules():
         no_split = module.__dict__.get("_no_split_modules")
@@ -246,7 +269,9 @@ def _unpatch_model(model: nn.Module) -> None:
         if original is not None:
             _set_class(module, original)
             module.__dict__.pop("in_place_backward", None)
-            release(modeling, family.rope_function, module)  # held by an unpickled fused attention
+            for modeling, rope_function in swaps:
+                release(modeling, rope_function, module)
     remove_patched_forward(model)
     _INSTANCE_OPTIONS.pop(model, None)
-    release(modeling, family.rope_function, model)
+    for modeling, rope_function in swaps:
+        release(modeling, rope_function, model)

@@ -39,6 +39,12 @@ transformers builds from another family's classes (LLaVA's ``LlamaModel``) takes
 ``causal_lm_module`` naming the module of the conditional generation (see :data:`FAMILIES`). Its tiny model, with a
 tiny vision tower, is in ``tests/tiny_vlms.py``, which ``tests/test_patching.py`` builds for the runs over every
 family (on text) and ``tests/test_vlm_families.py`` runs on images.
+
+A vision encoder that transformers builds as a model of its own type (Pixtral's ``PixtralVisionModel``, a LLaVA's
+``vision_tower`` when its ``vision_config`` is Pixtral's) is a row too, flagged ``vision_encoder``: it has no causal LM
+and no loss. ``patch(model)`` fuses it wherever a model holds one (the model's own row fuses the rest), and the report
+says what of it stays transformers' in place of the holding row's ``"vision tower"`` entry. Its tiny model is the
+vision-language model that holds it.
 """
 
 from __future__ import annotations
@@ -99,6 +105,9 @@ class Family:
     # A conditional generation that applies its text config's final_logit_softcapping (Gemma 4's; Gemma 3's does not),
     # after its output_multiplier where it has one (MuseGlimmer's): the fused loss applies them too.
     text_softcap: bool = False
+    # A vision encoder of its own model type (Pixtral): no causal LM and no loss; patch(model) fuses it inside any model
+    # that holds one, and its left_alone replaces the holding row's entries of the same name (its "vision tower").
+    vision_encoder: bool = False
 
     @property
     def pieces(self) -> tuple[str, ...]:
@@ -417,13 +426,27 @@ FAMILIES: dict[str, Family] = {
         ),
     ),
     # LLaVA with a Llama text config (LLaVA 1.5): its language model is a LlamaModel, built from llama's classes, which
-    # patch("llava") therefore swaps for every Llama model built afterwards, as patch("llama") does.
+    # patch("llava") therefore swaps for every Llama model built afterwards, as patch("llama") does. Its left_alone
+    # describes CLIP's tower; a Pixtral tower has a row of its own, below, whose entry the report gives instead.
     "llava": replace(
         _LLAMA, module="llama", causal_lm_module="llava", names=(("ForCausalLM", "LlavaForConditionalGeneration"),),
         left_alone=(
             ("vision tower", "CLIP: LayerNorms, a quick-GELU MLP without gate and no RoPE, which no fused piece "
                              "computes"),
             ("projector", "LlavaMultiModalProjector: two linear layers around a GELU, no gated product to fuse"),
+        ),
+    ),
+    # Pixtral's vision encoder (PixtralVisionModel: a LLaVA's vision_tower with a Pixtral vision_config, or a model by
+    # itself). Llama's norm; a gated MLP on config.hidden_act (silu in the checkpoints, erf-GELU by the config's
+    # default, which keeps transformers' MLP); a 2-D RoPE whose tables (patches, head_dim) hold each patch's height
+    # and width angles in rotate_half's layout, applied with unsqueeze_dim=0: the fused kernel's (1, patches,
+    # head_dim) tables, shared by the batch (the images are packed into one sequence). The layer names its norms
+    # attention_norm and ffn_norm, each feeding projections only; ln_pre's output is the residual stream.
+    "pixtral": Family(
+        "Pixtral", vision_encoder=True, in_place_norms=("attention_norm", "ffn_norm"),
+        left_alone=(
+            ("vision tower", "Pixtral (its RMSNorms, gated MLP and 2-D RoPE fused): the patch convolution and the "
+                             "residual adds (its layer is not written as Llama's) run transformers' code"),
         ),
     ),
 }  # fmt: skip

@@ -224,7 +224,12 @@ def _fused_rotary_pos_emb(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' ``apply_rotary_pos_emb`` on the fused kernel, partial rotary included (Phi-3 with
     ``partial_rotary_factor < 1``, Qwen3.5, GLM-4.5: only the first ``cos.shape[-1]`` features of each head rotate,
-    and the kernel copies the others in the same pass, where transformers slices and concatenates)."""
+    and the kernel copies the others in the same pass, where transformers slices and concatenates).
+
+    Pixtral's tables are (positions, head_dim), shared by the batch, and its call unsqueezes them in front
+    (``unsqueeze_dim=0``): (1, positions, head_dim), which broadcast over batch and heads as the kernel's tables do."""
+    if unsqueeze_dim == 0 and cos.dim() == 2:
+        cos, sin, unsqueeze_dim = cos.unsqueeze(0), sin.unsqueeze(0), 1
     if cos.shape[-1] == q.shape[-1]:
         q_rot, k_rot = rope_ops.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     else:

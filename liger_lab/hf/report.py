@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from liger_lab.hf.api import unwrap
+from liger_lab.hf.api import family_parts, unwrap
 from liger_lab.hf.families import family_row
 from liger_lab.hf.loss import fused_head, patched_forward
 from liger_lab.hf.modules import experts_fallback, gated_kernel
@@ -31,9 +31,10 @@ class PatchReport:
     left_alone: dict[str, str]
 
     def __str__(self) -> str:
+        width = max([34, *(len(kind) + 1 for kind in (*self.replaced, *self.left_alone))])  # a vision tower's are long
         lines = [f"liger_lab patch of a {self.model_type} model"]
-        lines += [f"  fused      {kind:<34}{count:>3}" for kind, count in self.replaced.items()]
-        lines += [f"  left alone {kind:<34}{why}" for kind, why in self.left_alone.items()]
+        lines += [f"  fused      {kind:<{width}}{count:>3}" for kind, count in self.replaced.items()]
+        lines += [f"  left alone {kind:<{width}}{why}" for kind, why in self.left_alone.items()]
         return "\n".join(lines)
 
 
@@ -42,11 +43,12 @@ def report(model: nn.Module) -> PatchReport:
     model = unwrap(model)
     model_type = getattr(model.config, "model_type", None)
     family = family_row(model_type)
+    parts = family_parts(model)
     replaced: dict[str, int] = {}
     experts: list[nn.Module] = []
     # By the transformers class each module is or derives from (the fused classes' names may say more than Fused +
-    # that name: registry.FUSED_NAMES).
-    kind_of = {family.name(suffix): kind for suffix, kind in PIECE_KINDS.items()}
+    # that name: registry.FUSED_NAMES), over the rows of every part (a Pixtral vision tower's too).
+    kind_of = {family_row(t).name(suffix): kind for t, _ in parts[::-1] for suffix, kind in PIECE_KINDS.items()}
     vision_side = _vision_side(model)
     for module in model.modules():
         name = _transformers_class(module).__name__
@@ -71,8 +73,35 @@ def report(model: nn.Module) -> PatchReport:
     if not family.mlp or not any(_transformers_class(module).__name__ == mlp for module in model.modules()):
         left_alone.setdefault("MLP", "no dense MLP: every layer is a mixture of experts")  # unless the row says why
     elif not replaced.get(PIECE_KINDS["MLP"].label):
-        no_kernel = f"activation {activation!r} has no fused kernel"
-        left_alone["MLP"] = no_kernel if gated_kernel(activation) is None else "not patched (swiglu=False?)"
+        left_alone["MLP"] = _why_not_fused(activation)
+    for part_type, part in parts[1:]:  # a vision encoder's row says what of it stays transformers'
+        encoder = family_row(part_type)
+        if not any(type(module) in UNFUSED for module in part.modules()):  # patch("llava") alone, say
+            left_alone["vision tower"] = f"{encoder.prefix}, not patched: patch(model) or patch({part_type!r}) fuses it"
+            continue
+        left_alone.update(encoder.left_alone)
+        mlp = encoder.name("MLP")
+        fused_mlps = [type(m) in UNFUSED for m in part.modules() if _transformers_class(m).__name__ == mlp]
+        if encoder.mlp and fused_mlps and not any(fused_mlps):
+            left_alone["vision tower MLP"] = _why_not_fused(getattr(part.config, encoder.act_attr, None))
+    # A vision encoder by itself computes no loss.
+    loss_patched = False if family.vision_encoder else _loss_lines(model, replaced, left_alone)
+    if not replaced and not loss_patched:  # patch never touched it: say that, not what each piece lacks
+        replaced, left_alone = {}, {"the whole model": _NOT_PATCHED}
+    for section in _SECTIONS:  # after that decision: what a layer above serves (TRL's head) is not the model's patch
+        section(model, replaced, left_alone)
+    return PatchReport(model_type, replaced, left_alone)
+
+
+def _why_not_fused(activation: object) -> str:
+    """Why a gated MLP runs transformers' forward."""
+    return f"activation {activation!r} has no fused kernel" if gated_kernel(activation) is None else (
+        "not patched (swiglu=False?)")  # fmt: skip
+
+
+def _loss_lines(model: nn.Module, replaced: dict[str, int], left_alone: dict[str, str]) -> bool:
+    """The report's lines on the loss, added to ``replaced`` or ``left_alone``; whether patch gave the model its
+    forward (False: transformers' own runs)."""
     forward = patched_forward(model)
     loss_forward = forward.__func__ if forward is not None else type(model).forward
     fused = getattr(loss_forward, "liger_lab_fused", None)  # None: transformers' own forward
@@ -88,11 +117,7 @@ def report(model: nn.Module) -> PatchReport:
         left_alone["loss"] = f"logits materialised: {fallback}"
     else:
         left_alone["loss"] = "transformers' own" if fused is None else "from logits (fused_linear_cross_entropy=False)"
-    if not replaced and fused is None:  # patch never touched it: say that, not what each piece lacks
-        replaced, left_alone = {}, {"the whole model": _NOT_PATCHED}
-    for section in _SECTIONS:  # after that decision: what a layer above serves (TRL's head) is not the model's patch
-        section(model, replaced, left_alone)
-    return PatchReport(model_type, replaced, left_alone)
+    return fused is not None
 
 
 _Section = Callable[[nn.Module, dict[str, int], dict[str, str]], None]
