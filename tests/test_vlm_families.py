@@ -1,4 +1,4 @@
-"""The vision-language families (Qwen2.5-VL, Qwen3-VL, Gemma 3, LLaVA) on batches with images (tests/tiny_vlms.py):
+"""The vision-language families (every row of tests/tiny_vlms.py's CONFIGS) on batches with images:
 a training step gives transformers' loss and every gradient, the vision tower's and the projector's included;
 greedy ``generate`` with the cache gives its tokens; the patch report says what of the language model runs fused and
 what of the vision side is left alone; the per-layer RoPE of Qwen's multimodal models is liger_lab.rope's; PEFT
