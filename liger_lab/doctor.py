@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, record_function
 from torch.utils import _pytree as pytree
 
 import liger_lab
@@ -497,7 +497,7 @@ def profile_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: tor
     activities = [ProfilerActivity.CPU] + ([] if runtime.INTERPRET else [ProfilerActivity.CUDA])
     with _category_ranges(model), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
-        with profile(activities=activities) as prof:
+        with runtime.profile(activities=activities) as prof:
             runtime.synchronize()
             start = time.perf_counter()
             _step(model, optimizer, tokens)

@@ -49,6 +49,7 @@ from liger_lab.runtime.timing import (
     measure_kernel_sum_ms,
     measure_ms,
     peak_memory_bytes,
+    profile,
     timer_label,
 )
 
@@ -75,6 +76,7 @@ __all__ = [
     "measure_ms",
     "next_power_of_2",
     "peak_memory_bytes",
+    "profile",
     "persistent_row_launch",
     "pick",
     "read_later",

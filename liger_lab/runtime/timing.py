@@ -7,11 +7,14 @@ GPU-only clock has no meaning.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -62,6 +65,32 @@ def measure_graph_ms(fn: Callable[[], object], *, rep_ms: float = 100) -> float 
         return None
 
 
+def _without_stderr(call: Callable[[], object]) -> None:
+    """``call()`` with the process's standard error (file descriptor 2, where C++ writes) sent nowhere."""
+    sys.stderr.flush()
+    saved, nowhere = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(nowhere, 2)
+    try:
+        call()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(nowhere)
+
+
+@contextlib.contextmanager
+def profile(**options: object) -> Iterator[torch.profiler.profile]:
+    """``torch.profiler.profile(**options)`` around the block, without the two log lines its C++ profiler (Kineto,
+    as PyTorch 2.13 ships it) prints on standard error as it starts and stops, whatever the log level: a notebook
+    would show them as an error stream. Only the start and the stop are quieted, never the block."""
+    profiler = torch.profiler.profile(**options)
+    _without_stderr(profiler.start)
+    try:
+        yield profiler
+    finally:
+        _without_stderr(profiler.stop)
+
+
 def kernel_times_ms(fn: Callable[[], object], *, calls: int = 5) -> dict[str, float]:
     """Milliseconds per call of each kernel, copy and fill that ``fn()`` runs on the GPU, by name (largest
     first), from a ``torch.profiler`` trace of ``calls`` calls. Empty in the interpreter."""
@@ -69,13 +98,13 @@ def kernel_times_ms(fn: Callable[[], object], *, calls: int = 5) -> dict[str, fl
         return {}
     fn()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+    with profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as folder:
         trace_path = Path(folder) / "trace.json"
-        profile.export_chrome_trace(str(trace_path))
+        profiler.export_chrome_trace(str(trace_path))
         events = json.loads(trace_path.read_text())["traceEvents"]
     per_name: dict[str, float] = {}
     for event in events:
