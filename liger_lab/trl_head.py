@@ -11,13 +11,13 @@ log-probs, every statistic TRL asks for (entropy, ``log_sum_sq_probs``, ``mean_l
 token accuracy, KTO the mean logit) and the gradient of every loss built on them come from liger_lab's kernels, in
 one pass over the vocabulary, soft-capped and scaled logits included (``final_logit_softcapping``, ``logit_scale``:
 Gemma 2, Cohere, Granite). TRL's own head runs 0 times. TRL looks the function up on each call, so the patch works
-whether the trainer was built before or after it. What stays TRL's: the losses themselves (DPO's sigmoid, KTO's KL
-estimate...), TRL's own code on our log-probs, except GRPO's (below). As in TRL, ``log_sum_sq_probs``, ``mean_logits``
-and ``is_top1`` carry no gradient here.
+whether the trainer was built before or after it. What stays TRL's: the losses themselves (KTO's, RLOO's...), TRL's
+own code on our log-probs, except GRPO's and DPO's (below). As in TRL, ``log_sum_sq_probs``, ``mean_logits`` and
+``is_top1`` carry no gradient here.
 
 ``liger_lab.patch(model)`` patches the backbone (norms, RoPE, MLP) as usual; the two compose in either order.
 
-Four more things happen while TRL is patched:
+Five more things happen while TRL is patched:
 
 * **The reference model computes as the policy does.** DPO, KTO, GRPO and RLOO load their reference model from the
   policy's path. When the policy was patched as an object (``liger_lab.patch(model)``), that fresh copy would run
@@ -45,6 +45,17 @@ Four more things happen while TRL is patched:
   thing: a head with a bias or soft-capped logits, ``off_policy_mask_threshold`` (TRL compares with vLLM's sampling
   log-probs), ``top_entropy_quantile`` < 1 on several processes (TRL's quantile spans them), and a subclass with
   its own ``_compute_loss`` or ``_get_per_token_logps_and_entropies``.
+* **DPO's loss runs on** :func:`liger_lab.fused_linear_dpo`, the same way: the policy's head call in
+  ``DPOTrainer._compute_loss`` is served by the fused loss (TRL's beta, loss type, label smoothing and loss weight),
+  whose pass also gives the log-probs, entropies, mean logits and token accuracy TRL's code then reads (its rewards,
+  margins, accuracies and logits metrics). The fused loss needs the reference's log-probs before it makes its
+  gradient, where TRL computes them after the policy's forward: they are computed first, by TRL's own
+  ``compute_ref_log_probs`` (the reference model, or a PEFT policy with its adapter off), and TRL's code reads them as
+  it reads precomputed ones. TRL's loss, on liger_lab's head, stays for the loss types other than sigmoid, hinge and
+  robust (ipo: TRL divides by completion counts taken before the shift), several loss types at once, an
+  f-divergence other than reverse KL, ``ld_alpha``, ``use_weighting``, ``disable_dropout=False`` with a reference
+  computed in the loop (its forward, moved first, would draw other dropout masks), a head with a bias or soft-capped
+  logits, and a subclass with its own ``_compute_loss`` or ``compute_ref_log_probs``.
 * **What is not served is said.** Such a trainer or option, and the experimental CPO and ORPO trainers (their
   losses come from full logits), warn once, count a fallback, and :func:`liger_lab.patch_report` of the model names
   them; a trainer served here shows there as served.
@@ -52,13 +63,15 @@ Four more things happen while TRL is patched:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -70,6 +83,7 @@ from liger_lab.hf import report as hf_report
 from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
 from liger_lab.ops.grpo import fused_linear_grpo
 from liger_lab.ops.logprobs import fused_linear_logprobs
+from liger_lab.ops.preference import fused_linear_dpo
 
 
 class LigerLabHead:
@@ -85,8 +99,9 @@ class LigerLabHead:
         self.trl_function = trl_function
         self.calls = 0
         self.fallbacks = 0
-        self.grpo: _GRPOCall | None = None
-        """Set while a GRPOTrainer's loss is computed: the policy's head call is served by its fused loss."""
+        self.served: _ServedCall | None = None
+        """Set while a served trainer's loss is computed (GRPO's, DPO's): the policy's head call is served by its
+        fused loss."""
 
     def apply(
         self,
@@ -103,11 +118,11 @@ class LigerLabHead:
         # TRL's head computes in the autocast dtype when autocast is on (and the weight is cast chunk by chunk); the
         # RL head takes one dtype for hidden and weight, so both are cast once, outside autocast.
         dtype = _compute_dtype(hidden)
-        if self.grpo is not None and bias is None and final_logit_softcapping is None:
+        if self.served is not None and bias is None and final_logit_softcapping is None:
             with torch.autocast(hidden.device.type, enabled=False):
-                log_probs, entropy = self.grpo.serve(hidden.to(dtype), weight.to(dtype), temperature, logit_scale)
+                served = self.served.serve(hidden.to(dtype), weight.to(dtype), temperature, logit_scale)
             self.calls += 1
-            return log_probs, entropy, None, None, None
+            return served
         wanted = tuple(name for name in HEAD_OUTPUTS if name in outputs)
         with torch.autocast(hidden.device.type, enabled=False):
             cast_bias = None if bias is None else bias.to(dtype)
@@ -441,44 +456,170 @@ def _gkd_loss(trainer: object, model: nn.Module, inputs: dict[str, torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------------
-# GRPOTrainer: its loss on fused_linear_grpo, from the hidden states and weight TRL's fused head is given.
-
-_GRPO = "trl.GRPOTrainer"
-_GRPO_SERVED = "GRPOTrainer's loss (fused_linear_grpo)"
-_NORMALIZED_BY_ITEMS = ("cispo", "dapo", "vespo")
-"""GRPO's loss types whose loss TRL divides by ``num_items_in_batch`` (the others: by their own counts)."""
-
-
-def _grpo_unserved(trainer: object) -> str | None:
-    """Why GRPOTrainer's loss stays TRL's (liger_lab's head, TRL's loss on its log-probs), or None."""
-    trainer_class = _trainer_class(_GRPO)
-    for name in ("_compute_loss", "_get_per_token_logps_and_entropies"):
-        if getattr(type(trainer), name) is not getattr(trainer_class, name):
-            return f"{type(trainer).__name__} has its own {name}"
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    if getattr(model.get_output_embeddings(), "bias", None) is not None:
-        return "its lm_head has a bias, which fused_linear_grpo does not take"
-    if getattr(model.config.get_text_config(), "final_logit_softcapping", None) is not None:
-        return "its logits are soft-capped (final_logit_softcapping), which fused_linear_grpo does not do"
-    if trainer.off_policy_mask_threshold is not None:
-        return ("off_policy_mask_threshold: TRL's mask compares the policy with vLLM's sampling log-probs, or "
-                "with itself without old log-probs, where fused_linear_grpo compares it with old_logps")  # fmt: skip
-    if trainer.top_entropy_quantile < 1 and trainer.accelerator.num_processes > 1:
-        return "top_entropy_quantile < 1 on several processes: TRL's quantile is over the tokens of every process"
-    return None
+# Losses served from the policy's head call. GRPOTrainer's and DPOTrainer's ``_compute_loss`` ask the model for the
+# policy's per-token log-probs (and the statistics their metrics read) and build the loss from them. Under the patch
+# that head call is served by the trainer's fused loss, given the hidden states and head weight TRL's fused forward
+# hands the head: the loss and its gradient are made there, and the same pass gives the per-token values, without
+# gradient, that TRL's own code then reads. The loss TRL returns keeps its value (its terms outside the policy loss,
+# the MoE load balancing, included) and takes the fused loss's gradient, scaled as TRL scales its loss.
 
 
-_name_grpo = _name_served_or_not(_grpo_unserved, _GRPO_SERVED)
+def _completion_rows(hidden: torch.Tensor, scored: torch.Tensor, compact: bool) -> torch.Tensor:
+    """The hidden rows TRL's fused forward hands its head, as (B, T, H) at the B x T positions of ``scored`` (the
+    shifted labels' mask over the last T positions of each sequence). TRL scores, after the shift, on Triton's
+    devices only the labelled positions (``compact``), elsewhere every one (B x P rows, P >= T: a prompt-learning
+    adapter's virtual tokens come first)."""
+    n_sequences, width = scored.shape
+    if compact:
+        return hidden.new_zeros(n_sequences, width, hidden.shape[-1]).masked_scatter(scored[..., None], hidden)
+    return hidden.reshape(n_sequences, -1, hidden.shape[-1])[:, -width:]
+
+
+def _head_layout(
+    values: dict[str, torch.Tensor], scored: torch.Tensor, compact: bool, n_rows: int
+) -> tuple[torch.Tensor | None, ...]:
+    """TRL's head's five outputs (log-probs, then :data:`~liger_lab.formulas.HEAD_OUTPUTS`; None for those not in
+    ``values``) for the ``n_rows`` rows of :func:`_completion_rows`, from per-token ``values`` (B, T) by name: the
+    scored positions' alone, or every position's (0 before the last T)."""
+
+    def laid_out(per_token: torch.Tensor | None) -> torch.Tensor | None:
+        if per_token is None:
+            return None
+        if compact:
+            return per_token[scored]
+        every = per_token.new_zeros(scored.shape[0], n_rows // scored.shape[0])
+        every[:, -scored.shape[1] :] = per_token
+        return every.reshape(-1)
+
+    return tuple(laid_out(values.get(name)) for name in ("log_probs", *HEAD_OUTPUTS))
 
 
 @dataclass
-class _GRPOCall:
-    """One ``GRPOTrainer._compute_loss`` under the patch: what :meth:`serve` needs of the trainer and the micro-batch,
-    and the fused loss it made (None until then)."""
+class _ServedCall:
+    """One ``_compute_loss`` of a trainer whose loss a fused loss serves, under the patch: what :meth:`serve` needs
+    of the trainer and the micro-batch, and the fused loss it made (None until then). One subclass per trainer."""
 
     trainer: object
     inputs: dict[str, torch.Tensor]
     loss: torch.Tensor | None = None
+
+    trainer_path: ClassVar[str]
+    """The trainer, as :func:`_trainer_class` finds it."""
+    fused_loss: ClassVar[str]
+    """The liger_lab function that serves it."""
+    own_methods: ClassVar[tuple[str, ...]]
+    """TRL's methods whose work :meth:`serve` does: a subclass with its own is not served."""
+
+    @classmethod
+    def served_as(cls) -> str:
+        """patch_report's line for a trainer served."""
+        return f"{cls.trainer_path.rpartition('.')[2]}'s loss ({cls.fused_loss})"
+
+    @classmethod
+    def unserved(cls, trainer: object) -> str | None:
+        """Why the trainer's loss stays TRL's (liger_lab's head, TRL's loss on its values), or None."""
+        for name in cls.own_methods:
+            if getattr(type(trainer), name) is not getattr(_trainer_class(cls.trainer_path), name):
+                return f"{type(trainer).__name__} has its own {name}"
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if getattr(model.get_output_embeddings(), "bias", None) is not None:
+            return f"its lm_head has a bias, which {cls.fused_loss} does not take"
+        if getattr(model.config.get_text_config(), "final_logit_softcapping", None) is not None:
+            return f"its logits are soft-capped (final_logit_softcapping), which {cls.fused_loss} does not do"
+        return cls.options_unserved(trainer)
+
+    @staticmethod
+    def options_unserved(trainer: object) -> str | None:
+        """Why the trainer's options are not the fused loss's, or None."""
+        return None
+
+    @classmethod
+    def start(cls, trainer: object, inputs: dict[str, torch.Tensor]) -> _ServedCall:
+        """The call for one micro-batch, made before TRL's ``_compute_loss`` runs and before the head serves it."""
+        return cls(trainer, inputs)
+
+    @contextlib.contextmanager
+    def around_trl(self) -> Iterator[None]:
+        """Held while TRL's ``_compute_loss`` runs on :attr:`inputs`."""
+        yield
+
+    @property
+    def scale(self) -> float:
+        """What TRL's loss is to the fused loss."""
+        return 1.0
+
+    def keep(self, loss: torch.Tensor) -> None:
+        """Keep the fused loss of the micro-batch."""
+        if self.loss is not None:  # the micro-batch's rows came in two calls: the loss of one would be wrong
+            name = type(self.trainer).__name__
+            raise RuntimeError(f"liger_lab.patch_trl: {name}'s policy head was called twice in one _compute_loss")
+        self.loss = loss
+
+    def serve(
+        self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The policy's head call (``hidden`` the rows TRL's fused forward scores, of one dtype with ``weight``):
+        :meth:`keep` the fused loss and return TRL's head's five outputs for those rows, without gradient (None for
+        those the trainer does not read)."""
+        raise NotImplementedError
+
+
+def _served_loss(call_type: type[_ServedCall]) -> tuple[Callable[[object], None], Callable[[Callable], Callable]]:
+    """(what names the trainer served or not, once; the maker of its ``_compute_loss``): TRL's own, with the
+    policy's head call served by ``call_type``, or TRL's own alone where ``call_type.unserved`` finds a reason."""
+    named = _name_served_or_not(call_type.unserved, call_type.served_as())
+
+    def make(trl_compute_loss: Callable) -> Callable:
+        def _compute_loss(self, model, inputs, *args):
+            named(self)
+            head = _trl_utils()._ChunkedLogProbFunction
+            if not isinstance(head, LigerLabHead) or call_type.unserved(self) is not None:
+                return trl_compute_loss(self, model, inputs, *args)
+            call = call_type.start(self, inputs)
+            head.served = call
+            try:
+                with call.around_trl():
+                    result = trl_compute_loss(self, model, call.inputs, *args)
+            finally:
+                head.served = None
+            if call.loss is None:  # the head was given a bias or a soft cap after all: TRL's loss on our head's values
+                return result
+            loss, *outputs = result if isinstance(result, tuple) else (result,)
+            loss = loss + call.scale * (call.loss - call.loss.detach())
+            return (loss, *outputs) if outputs else loss
+
+        return _compute_loss
+
+    return named, make
+
+
+# ---------------------------------------------------------------------------------------------------
+# GRPOTrainer: its loss on fused_linear_grpo.
+
+_NORMALIZED_BY_ITEMS = ("cispo", "dapo", "vespo")
+"""GRPO's loss types whose loss TRL divides by ``num_items_in_batch`` (the others: by their own counts)."""
+
+
+@dataclass
+class _GRPOCall(_ServedCall):
+    """One ``GRPOTrainer._compute_loss``: the policy's log-probs and entropies from :func:`fused_linear_grpo`, with
+    TRL's options (``GRPOConfig`` and the micro-batch). Served except for ``off_policy_mask_threshold`` (TRL
+    compares with vLLM's sampling log-probs) and ``top_entropy_quantile`` < 1 on several processes."""
+
+    trainer_path = "trl.GRPOTrainer"
+    fused_loss = "fused_linear_grpo"
+    own_methods = ("_compute_loss", "_get_per_token_logps_and_entropies")
+
+    @staticmethod
+    def options_unserved(trainer: object) -> str | None:
+        if trainer.off_policy_mask_threshold is not None:
+            return (
+                "off_policy_mask_threshold: TRL's mask compares the policy with vLLM's sampling log-probs, or with "
+                "itself without old log-probs, where fused_linear_grpo compares it with old_logps"
+            )
+        if trainer.top_entropy_quantile < 1 and trainer.accelerator.num_processes > 1:
+            return "top_entropy_quantile < 1 on several processes: TRL's quantile is over the tokens of every process"
+        return None
 
     @property
     def training(self) -> bool:
@@ -486,9 +627,9 @@ class _GRPOCall:
 
     @property
     def scale(self) -> float:
-        """What TRL's loss is to fused_linear_grpo's: 1 / the gradient accumulation steps (training), and for the
-        loss types over ``num_items_in_batch`` (a count over the generation batch of every process) the processes
-        times the generation's steps over the accumulation's."""
+        """1 / the gradient accumulation steps (training), and for the loss types over ``num_items_in_batch`` (a
+        count over the generation batch of every process) the processes times the generation's steps over the
+        accumulation's."""
         trainer = self.trainer
         accumulation = trainer.current_gradient_accumulation_steps if self.training else 1
         if trainer.loss_type not in _NORMALIZED_BY_ITEMS:
@@ -523,62 +664,112 @@ class _GRPOCall:
 
     def serve(
         self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The policy's head call in TRL's layout (``hidden`` the rows TRL's fused forward scores, of one dtype with
-        ``weight``): keeps fused_linear_grpo's loss and returns its log-probs and entropies for those rows, without
-        gradient, for TRL's metrics. TRL scores, after the shift, the last (completion) columns of B x (L - 1)
-        positions: on Triton's devices only the labelled ones (the completion mask's), elsewhere every one."""
-        if self.loss is not None:  # the micro-batch's rows came in two calls: the loss of one would be wrong
-            raise RuntimeError("liger_lab.patch_trl: GRPOTrainer's policy head was called twice in one _compute_loss")
+    ) -> tuple[torch.Tensor | None, ...]:
         inputs = self.inputs
         completion = inputs["completion_mask"].bool()
-        n_sequences, width = completion.shape
         keep = completion if "tool_mask" not in inputs else completion & inputs["tool_mask"].bool()
-        positions = inputs["prompt_ids"].shape[1] + width - 1
         compact = _trl_utils()._use_triton(hidden.device)
-        if compact:
-            rows = hidden.new_zeros(n_sequences, width, hidden.shape[-1])
-            rows = rows.masked_scatter(completion[..., None], hidden)
-        else:
-            rows = hidden.reshape(n_sequences, positions, hidden.shape[-1])[:, -width:]
+        rows = _completion_rows(hidden, completion, compact)
         if logit_scale != 1:  # the same logits: the head is linear
             rows = rows * logit_scale
         target = inputs["completion_ids"].masked_fill(~keep, -100)
-        self.loss, log_probs, entropy = fused_linear_grpo(
+        loss, log_probs, entropy = fused_linear_grpo(
             rows, weight, target, inputs["advantages"], temperature=temperature, per_token=True, **self.options()
         )
-        if compact:
-            return log_probs[completion], entropy[completion]
-        every = []
-        for values in (log_probs, entropy):
-            full = values.new_zeros(n_sequences, positions)
-            full[:, -width:] = values
-            every.append(full.reshape(-1))
-        return every[0], every[1]
+        self.keep(loss)
+        return _head_layout({"log_probs": log_probs, "entropy": entropy}, completion, compact, hidden.shape[0])
 
 
-def _served_grpo_loss(trl_compute_loss: Callable) -> Callable:
-    """``GRPOTrainer._compute_loss`` with the policy's head call served by :meth:`_GRPOCall.serve`: TRL's own code
-    then runs on fused_linear_grpo's log-probs and entropies, which carry no gradient, and logs its metrics from
-    them as it does; the loss it returns keeps TRL's value (its terms outside the policy loss, the MoE load
-    balancing, included) and takes the fused loss's gradient, scaled as TRL scales its loss. TRL's own where
-    :func:`_grpo_unserved` finds a reason, named once."""
+# ---------------------------------------------------------------------------------------------------
+# DPOTrainer: its loss on fused_linear_dpo.
 
-    def _compute_loss(self, model, inputs):
-        _name_grpo(self)
-        head = _trl_utils()._ChunkedLogProbFunction
-        if not isinstance(head, LigerLabHead) or _grpo_unserved(self) is not None:
-            return trl_compute_loss(self, model, inputs)
-        call = head.grpo = _GRPOCall(self, inputs)
+_DPO_LOSS_TYPES = ("sigmoid", "hinge", "robust")
+"""DPO's loss types fused_linear_dpo computes as TRL does (its "ipo" divides by counts of other positions)."""
+_DPO_TOKEN_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
+"""What DPOTrainer reads of its policy's head call: the log-probs, and the statistics it logs."""
+
+
+@dataclass
+class _DPOCall(_ServedCall):
+    """One ``DPOTrainer._compute_loss``: the policy's log-probs and the statistics DPO logs (entropy, mean logit,
+    token accuracy) from :func:`fused_linear_dpo`, with TRL's beta, loss type and label smoothing.
+
+    The fused loss makes its gradient in the forward, so it needs the reference's log-probs before the policy's head
+    is called, where TRL computes them after. :meth:`start` computes them first, with TRL's own
+    ``compute_ref_log_probs`` (the reference model, or the policy with its adapter off; what TRL's precomputation
+    calls), and TRL's ``_compute_loss`` reads them as it reads precomputed ones (``precompute_ref_log_probs``): the
+    same numbers, in another order."""
+
+    trainer_path = "trl.DPOTrainer"
+    fused_loss = "fused_linear_dpo"
+    own_methods = ("_compute_loss", "compute_ref_log_probs")
+
+    @staticmethod
+    def options_unserved(trainer: object) -> str | None:
+        loss_types = tuple(trainer.loss_types)
+        if len(loss_types) != 1:
+            return f"loss_type {list(loss_types)}: fused_linear_dpo computes one loss type"
+        if loss_types[0] == "ipo":
+            return ("loss_type 'ipo': TRL divides IPO's log-ratios by the completion mask's counts before the shift, "
+                    "which fused_linear_dpo does not take")  # fmt: skip
+        if loss_types[0] not in _DPO_LOSS_TYPES:
+            return f"loss_type {loss_types[0]!r}: fused_linear_dpo computes {', '.join(_DPO_LOSS_TYPES)} and ipo"
+        if trainer.f_divergence_type != "reverse_kl":
+            return f"f_divergence_type {trainer.f_divergence_type!r}: fused_linear_dpo scores log-ratios (reverse_kl)"
+        if trainer.ld_alpha is not None:
+            return "ld_alpha: fused_linear_dpo sums every completion token's log-probability alike"
+        if trainer.use_weighting:
+            return "use_weighting: fused_linear_dpo weighs every pair alike"
+        if not trainer.precompute_ref_logps and not trainer.args.disable_dropout:
+            return ("disable_dropout=False: the reference's log-probs are computed before the policy's forward here "
+                    "(after it in TRL), so dropout would draw other masks")  # fmt: skip
+        return None
+
+    @classmethod
+    def start(cls, trainer: object, inputs: dict[str, torch.Tensor]) -> _DPOCall:
+        if trainer.precompute_ref_logps:
+            return cls(trainer, inputs)
+        # A PEFT policy is its own reference, its adapter off (compute_ref_log_probs switches it, as TRL's loss does)
+        reference = trainer.ref_model if trainer.ref_model is not None else trainer.model
+        chosen, rejected = trainer.compute_ref_log_probs(reference, inputs)
+        return cls(trainer, {**inputs, "ref_chosen_logps": chosen, "ref_rejected_logps": rejected})
+
+    @contextlib.contextmanager
+    def around_trl(self) -> Iterator[None]:
+        """TRL reads the reference's log-probs from the micro-batch, where :meth:`start` put them."""
+        trainer, precomputed = self.trainer, self.trainer.precompute_ref_logps
+        trainer.precompute_ref_logps = True
         try:
-            loss = trl_compute_loss(self, model, inputs)
+            yield
         finally:
-            head.grpo = None
-        if call.loss is None:  # the head was given a bias or a soft cap after all: TRL's loss on our head's log-probs
-            return loss
-        return loss + call.scale * (call.loss - call.loss.detach())
+            trainer.precompute_ref_logps = precomputed
 
-    return _compute_loss
+    @property
+    def scale(self) -> float:
+        return self.trainer.loss_weights[0]  # TRL's loss: the mean over pairs times the loss type's weight
+
+    def serve(
+        self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float
+    ) -> tuple[torch.Tensor | None, ...]:
+        trainer, inputs = self.trainer, self.inputs
+        scored = inputs["completion_mask"][:, 1:].bool()  # the shifted labels TRL's forward scores
+        compact = _trl_utils()._use_triton(hidden.device)
+        rows = _completion_rows(hidden, scored, compact)
+        if logit_scale != temperature:  # the same logits: the head is linear
+            rows = rows * (logit_scale / temperature)
+        target = inputs["input_ids"][:, 1:].masked_fill(~scored, -100)
+        loss_type = trainer.loss_types[0]
+        loss, *values = fused_linear_dpo(
+            rows, weight, target, ref_logps=torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]),
+            beta=trainer.beta, loss_type=loss_type, token_outputs=_DPO_TOKEN_OUTPUTS,
+            label_smoothing=trainer.label_smoothing if loss_type == "robust" else 0.0,  # read by "robust" alone
+        )  # fmt: skip
+        self.keep(loss)
+        return _head_layout(dict(zip(_DPO_TOKEN_OUTPUTS, values, strict=True)), scored, compact, hidden.shape[0])
+
+
+_name_grpo, _served_grpo_loss = _served_loss(_GRPOCall)
+_name_dpo, _served_dpo_loss = _served_loss(_DPOCall)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -632,11 +823,10 @@ def _replacements() -> list[tuple[object, str, Callable[[Callable], Callable]]]:
     if _trainer_class(_DISTILLATION) is not None:
         made.append((importlib.import_module("trl.trainer.distillation_trainer"), "_chunked_divergence_loss",
                      _served_divergence))  # fmt: skip
-    grpo = _trainer_class(_GRPO)
-    made += [
-        (grpo, "__init__", _after_init(_name_grpo)),
-        (grpo, "_compute_loss", _served_grpo_loss),
-    ]
+    for call_type, named, served in ((_GRPOCall, _name_grpo, _served_grpo_loss), (_DPOCall, _name_dpo,
+                                                                                   _served_dpo_loss)):  # fmt: skip
+        trainer = _trainer_class(call_type.trainer_path)
+        made += [(trainer, "__init__", _after_init(named)), (trainer, "_compute_loss", served)]
     gkd = _name_served_or_not(_gkd_unserved, "GKDTrainer's generalized JSD (fused_linear_jsd)")
     made += [
         (_trainer_class(_GKD), "__init__", _after_init(gkd)),
