@@ -11,8 +11,8 @@ log-probs, every statistic TRL asks for (entropy, ``log_sum_sq_probs``, ``mean_l
 token accuracy, KTO the mean logit) and the gradient of every loss built on them come from liger_lab's kernels, in
 one pass over the vocabulary, soft-capped and scaled logits included (``final_logit_softcapping``, ``logit_scale``:
 Gemma 2, Cohere, Granite). TRL's own head runs 0 times. TRL looks the function up on each call, so the patch works
-whether the trainer was built before or after it. What stays TRL's: the losses themselves (KTO's, RLOO's...), TRL's
-own code on our log-probs, except GRPO's and DPO's (below). As in TRL, ``log_sum_sq_probs``, ``mean_logits`` and
+whether the trainer was built before or after it. What stays TRL's: the losses themselves (RLOO's, SFT's...), TRL's
+own code on our log-probs, except GRPO's, DPO's and KTO's (below). As in TRL, ``log_sum_sq_probs``, ``mean_logits`` and
 ``is_top1`` carry no gradient here.
 
 ``liger_lab.patch(model)`` patches the backbone (norms, RoPE, MLP) as usual; the two compose in either order.
@@ -45,17 +45,20 @@ Five more things happen while TRL is patched:
   thing: a head with a bias or soft-capped logits, ``off_policy_mask_threshold`` (TRL compares with vLLM's sampling
   log-probs), ``top_entropy_quantile`` < 1 on several processes (TRL's quantile spans them), and a subclass with
   its own ``_compute_loss`` or ``_get_per_token_logps_and_entropies``.
-* **DPO's loss runs on** :func:`liger_lab.fused_linear_dpo`, the same way: the policy's head call in
-  ``DPOTrainer._compute_loss`` is served by the fused loss (TRL's beta, loss type, label smoothing and loss weight),
-  whose pass also gives the log-probs, entropies, mean logits and token accuracy TRL's code then reads (its rewards,
-  margins, accuracies and logits metrics). The fused loss needs the reference's log-probs before it makes its
-  gradient, where TRL computes them after the policy's forward: they are computed first, by TRL's own
-  ``compute_ref_log_probs`` (the reference model, or a PEFT policy with its adapter off), and TRL's code reads them as
-  it reads precomputed ones. TRL's loss, on liger_lab's head, stays for the loss types other than sigmoid, hinge and
-  robust (ipo: TRL divides by completion counts taken before the shift), several loss types at once, an
-  f-divergence other than reverse KL, ``ld_alpha``, ``use_weighting``, ``disable_dropout=False`` with a reference
-  computed in the loop (its forward, moved first, would draw other dropout masks), a head with a bias or soft-capped
-  logits, and a subclass with its own ``_compute_loss`` or ``compute_ref_log_probs``.
+* **DPO's and KTO's losses run on** :func:`liger_lab.fused_linear_dpo` **and** :func:`liger_lab.fused_linear_kto`,
+  the same way: the policy's head call in their ``_compute_loss`` is served by the fused loss (TRL's beta, loss type,
+  label smoothing and loss weight; KTO's desirable and undesirable weights and its KL estimate), whose pass also
+  gives the log-probs and the statistics TRL's code then reads (entropy, mean logits, DPO's token accuracy). The
+  fused loss needs the reference's log-probs before it makes its gradient, where TRL computes them after the
+  policy's forward: they are computed first, by TRL's own ``compute_ref_log_probs`` (the reference model, or a PEFT
+  policy with its adapter off), and TRL's code reads them as it reads precomputed ones. KTO's KL estimate is TRL's,
+  from the log-probs of the KL completions TRL's code scores on the RL head before the policy's forward. TRL's
+  loss, on liger_lab's head, stays for DPO's loss types other than sigmoid, hinge and robust (ipo: TRL divides by
+  completion counts taken before the shift), several loss types at once, an f-divergence other than reverse KL,
+  ``ld_alpha`` and ``use_weighting``; for KTO's vision datasets (``compute_ref_log_probs`` passes no images);
+  for both with ``disable_dropout=False`` and a reference computed in the loop (its forward, moved first, would
+  draw other dropout masks), a head with a bias or soft-capped logits, and a subclass with its own
+  ``_compute_loss``, ``compute_ref_log_probs`` or (KTO) ``_compute_kl_logps``.
 * **What is not served is said.** Such a trainer or option, and the experimental CPO and ORPO trainers (their
   losses come from full logits), warn once, count a fallback, and :func:`liger_lab.patch_report` of the model names
   them; a trainer served here shows there as served.
@@ -83,7 +86,7 @@ from liger_lab.hf import report as hf_report
 from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
 from liger_lab.ops.grpo import fused_linear_grpo
 from liger_lab.ops.logprobs import fused_linear_logprobs
-from liger_lab.ops.preference import fused_linear_dpo
+from liger_lab.ops.preference import fused_linear_dpo, fused_linear_kto
 
 
 class LigerLabHead:
@@ -681,31 +684,94 @@ class _GRPOCall(_ServedCall):
 
 
 # ---------------------------------------------------------------------------------------------------
-# DPOTrainer: its loss on fused_linear_dpo.
-
-_DPO_LOSS_TYPES = ("sigmoid", "hinge", "robust")
-"""DPO's loss types fused_linear_dpo computes as TRL does (its "ipo" divides by counts of other positions)."""
-_DPO_TOKEN_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
-"""What DPOTrainer reads of its policy's head call: the log-probs, and the statistics it logs."""
+# DPOTrainer and KTOTrainer: their losses on fused_linear_dpo and fused_linear_kto.
 
 
 @dataclass
-class _DPOCall(_ServedCall):
-    """One ``DPOTrainer._compute_loss``: the policy's log-probs and the statistics DPO logs (entropy, mean logit,
-    token accuracy) from :func:`fused_linear_dpo`, with TRL's beta, loss type and label smoothing.
+class _PreferenceCall(_ServedCall):
+    """A ``_compute_loss`` of DPOTrainer or KTOTrainer: the policy's log-probs and the statistics the trainer logs
+    from the fused loss, over the completion tokens of each sequence.
 
     The fused loss makes its gradient in the forward, so it needs the reference's log-probs before the policy's head
     is called, where TRL computes them after. :meth:`start` computes them first, with TRL's own
-    ``compute_ref_log_probs`` (the reference model, or the policy with its adapter off; what TRL's precomputation
+    ``compute_ref_log_probs`` (the reference model, or a PEFT policy with its adapter off; what TRL's precomputation
     calls), and TRL's ``_compute_loss`` reads them as it reads precomputed ones (``precompute_ref_log_probs``): the
-    same numbers, in another order."""
+    same numbers, in another order. Not served where that order shows: with dropout on (``disable_dropout=False``),
+    the reference's forward moved first would draw other masks."""
+
+    own_methods = ("_compute_loss", "compute_ref_log_probs")
+    token_outputs: ClassVar[tuple[str, ...]]
+    """What the trainer reads of its policy's head call: the log-probs, and the statistics it logs."""
+
+    @classmethod
+    def options_unserved(cls, trainer: object) -> str | None:
+        why = cls.loss_options_unserved(trainer)
+        if why is None and not trainer.precompute_ref_logps and not trainer.args.disable_dropout:
+            why = ("disable_dropout=False: the reference's log-probs are computed before the policy's forward here "
+                   "(after it in TRL), so dropout would draw other masks")  # fmt: skip
+        return why
+
+    @staticmethod
+    def loss_options_unserved(trainer: object) -> str | None:
+        """Why the trainer's loss options are not the fused loss's, or None."""
+        return None
+
+    @staticmethod
+    def reference_inputs(computed: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
+        """What ``compute_ref_log_probs`` returned, under the keys of the micro-batch TRL reads precomputed
+        reference log-probs from."""
+        raise NotImplementedError
+
+    @classmethod
+    def start(cls, trainer: object, inputs: dict[str, torch.Tensor]) -> _PreferenceCall:
+        if trainer.precompute_ref_logps:
+            return cls(trainer, inputs)
+        # A PEFT policy is its own reference, its adapter off (compute_ref_log_probs switches it, as TRL's loss does)
+        reference = trainer.ref_model if trainer.ref_model is not None else trainer.model
+        return cls(trainer, {**inputs, **cls.reference_inputs(trainer.compute_ref_log_probs(reference, inputs))})
+
+    @contextlib.contextmanager
+    def around_trl(self) -> Iterator[None]:
+        """TRL reads the reference's log-probs from the micro-batch, where :meth:`start` put them."""
+        trainer, precomputed = self.trainer, self.trainer.precompute_ref_logps
+        trainer.precompute_ref_logps = True
+        try:
+            yield
+        finally:
+            trainer.precompute_ref_logps = precomputed
+
+    def fused(
+        self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float,
+        loss: Callable[..., tuple[torch.Tensor, ...]], **options: object,
+    ) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+        """:meth:`serve` by the fused ``loss`` with ``options``, on the completion tokens of the micro-batch's
+        sequences (the labels TRL's forward scores: the input ids after the shift, where the completion mask is)."""
+        scored = self.inputs["completion_mask"][:, 1:].bool()
+        compact = _trl_utils()._use_triton(hidden.device)
+        rows = _completion_rows(hidden, scored, compact)
+        if logit_scale != temperature:  # the same logits: the head is linear
+            rows = rows * (logit_scale / temperature)
+        target = self.inputs["input_ids"][:, 1:].masked_fill(~scored, -100)
+        value, *per_token = loss(rows, weight, target, token_outputs=self.token_outputs, **options)
+        self.keep(value)
+        return _head_layout(dict(zip(self.token_outputs, per_token, strict=True)), scored, compact, hidden.shape[0])
+
+
+_DPO_LOSS_TYPES = ("sigmoid", "hinge", "robust")
+"""DPO's loss types fused_linear_dpo computes as TRL does (its "ipo" divides by counts of other positions)."""
+
+
+@dataclass
+class _DPOCall(_PreferenceCall):
+    """One ``DPOTrainer._compute_loss`` on :func:`fused_linear_dpo`, with TRL's beta, loss type, label smoothing and
+    loss weight; the entropy, mean logit and token accuracy DPO logs from the same pass."""
 
     trainer_path = "trl.DPOTrainer"
     fused_loss = "fused_linear_dpo"
-    own_methods = ("_compute_loss", "compute_ref_log_probs")
+    token_outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
 
     @staticmethod
-    def options_unserved(trainer: object) -> str | None:
+    def loss_options_unserved(trainer: object) -> str | None:
         loss_types = tuple(trainer.loss_types)
         if len(loss_types) != 1:
             return f"loss_type {list(loss_types)}: fused_linear_dpo computes one loss type"
@@ -720,29 +786,12 @@ class _DPOCall(_ServedCall):
             return "ld_alpha: fused_linear_dpo sums every completion token's log-probability alike"
         if trainer.use_weighting:
             return "use_weighting: fused_linear_dpo weighs every pair alike"
-        if not trainer.precompute_ref_logps and not trainer.args.disable_dropout:
-            return ("disable_dropout=False: the reference's log-probs are computed before the policy's forward here "
-                    "(after it in TRL), so dropout would draw other masks")  # fmt: skip
         return None
 
-    @classmethod
-    def start(cls, trainer: object, inputs: dict[str, torch.Tensor]) -> _DPOCall:
-        if trainer.precompute_ref_logps:
-            return cls(trainer, inputs)
-        # A PEFT policy is its own reference, its adapter off (compute_ref_log_probs switches it, as TRL's loss does)
-        reference = trainer.ref_model if trainer.ref_model is not None else trainer.model
-        chosen, rejected = trainer.compute_ref_log_probs(reference, inputs)
-        return cls(trainer, {**inputs, "ref_chosen_logps": chosen, "ref_rejected_logps": rejected})
-
-    @contextlib.contextmanager
-    def around_trl(self) -> Iterator[None]:
-        """TRL reads the reference's log-probs from the micro-batch, where :meth:`start` put them."""
-        trainer, precomputed = self.trainer, self.trainer.precompute_ref_logps
-        trainer.precompute_ref_logps = True
-        try:
-            yield
-        finally:
-            trainer.precompute_ref_logps = precomputed
+    @staticmethod
+    def reference_inputs(computed: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
+        chosen, rejected = computed
+        return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
 
     @property
     def scale(self) -> float:
@@ -752,24 +801,82 @@ class _DPOCall(_ServedCall):
         self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float
     ) -> tuple[torch.Tensor | None, ...]:
         trainer, inputs = self.trainer, self.inputs
-        scored = inputs["completion_mask"][:, 1:].bool()  # the shifted labels TRL's forward scores
-        compact = _trl_utils()._use_triton(hidden.device)
-        rows = _completion_rows(hidden, scored, compact)
-        if logit_scale != temperature:  # the same logits: the head is linear
-            rows = rows * (logit_scale / temperature)
-        target = inputs["input_ids"][:, 1:].masked_fill(~scored, -100)
         loss_type = trainer.loss_types[0]
-        loss, *values = fused_linear_dpo(
-            rows, weight, target, ref_logps=torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]),
-            beta=trainer.beta, loss_type=loss_type, token_outputs=_DPO_TOKEN_OUTPUTS,
+        return self.fused(
+            hidden, weight, temperature, logit_scale, fused_linear_dpo, beta=trainer.beta, loss_type=loss_type,
+            ref_logps=torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]),
             label_smoothing=trainer.label_smoothing if loss_type == "robust" else 0.0,  # read by "robust" alone
         )  # fmt: skip
-        self.keep(loss)
-        return _head_layout(dict(zip(_DPO_TOKEN_OUTPUTS, values, strict=True)), scored, compact, hidden.shape[0])
+
+
+@dataclass
+class _KTOCall(_PreferenceCall):
+    """One ``KTOTrainer._compute_loss`` on :func:`fused_linear_kto`, with TRL's beta, loss type, desirable and
+    undesirable weights, and its KL estimate; the entropy and mean logit KTO logs from the same pass.
+
+    TRL scores the KL completions with the policy before its main forward (``_compute_kl_logps``, without gradient,
+    on liger_lab's RL head here): :meth:`around_trl` keeps what that returns, and :meth:`serve` makes TRL's estimate
+    from it and the reference's, as TRL's ``_compute_loss`` then does (their mean difference, over every process,
+    clamped at 0)."""
+
+    trainer_path = "trl.KTOTrainer"
+    fused_loss = "fused_linear_kto"
+    own_methods = ("_compute_loss", "compute_ref_log_probs", "_compute_kl_logps")
+    token_outputs = ("log_probs", "entropy", "mean_logits")
+    kl_logps: torch.Tensor | None = None
+    """The policy's log-probability of each KL completion (with ``calculate_KL``)."""
+
+    @staticmethod
+    def loss_options_unserved(trainer: object) -> str | None:
+        if trainer._is_vision_dataset:
+            return ("a vision dataset: TRL's compute_ref_log_probs, which computes the reference's log-probs first "
+                    "here, does not pass the images")  # fmt: skip
+        return None
+
+    @staticmethod
+    def reference_inputs(computed: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
+        completions, kl_completions = computed
+        return {"ref_logps": completions, **({} if kl_completions is None else {"ref_KL_logps": kl_completions})}
+
+    @contextlib.contextmanager
+    def around_trl(self) -> Iterator[None]:
+        trainer, head = self.trainer, _trl_utils()._ChunkedLogProbFunction
+        kl_logps = trainer._compute_kl_logps
+
+        def kept(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+            head.served = None  # a head call for the KL completions: the RL head's, as TRL's head's
+            try:
+                self.kl_logps = kl_logps(model, batch)
+            finally:
+                head.served = self
+            return self.kl_logps
+
+        trainer._compute_kl_logps = kept
+        try:
+            with super().around_trl():
+                yield
+        finally:
+            del trainer._compute_kl_logps
+
+    def serve(
+        self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float
+    ) -> tuple[torch.Tensor | None, ...]:
+        trainer, inputs = self.trainer, self.inputs
+        kl = None
+        if trainer.calculate_KL:
+            kl = (self.kl_logps - inputs["ref_KL_logps"].to(self.kl_logps.device)).mean().detach()
+            kl = trainer.accelerator.gather_for_metrics(kl).mean().clamp(min=0)
+        label = torch.as_tensor(inputs["label"], dtype=torch.bool, device=hidden.device)
+        return self.fused(
+            hidden, weight, temperature, logit_scale, fused_linear_kto, label=label,
+            ref_logps=inputs["ref_logps"].to(hidden.device), kl=kl, beta=trainer.beta, loss_type=trainer.loss_type,
+            desirable_weight=trainer.desirable_weight, undesirable_weight=trainer.undesirable_weight,
+        )  # fmt: skip
 
 
 _name_grpo, _served_grpo_loss = _served_loss(_GRPOCall)
 _name_dpo, _served_dpo_loss = _served_loss(_DPOCall)
+_name_kto, _served_kto_loss = _served_loss(_KTOCall)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -823,8 +930,9 @@ def _replacements() -> list[tuple[object, str, Callable[[Callable], Callable]]]:
     if _trainer_class(_DISTILLATION) is not None:
         made.append((importlib.import_module("trl.trainer.distillation_trainer"), "_chunked_divergence_loss",
                      _served_divergence))  # fmt: skip
-    for call_type, named, served in ((_GRPOCall, _name_grpo, _served_grpo_loss), (_DPOCall, _name_dpo,
-                                                                                   _served_dpo_loss)):  # fmt: skip
+    served_losses = ((_GRPOCall, _name_grpo, _served_grpo_loss), (_DPOCall, _name_dpo, _served_dpo_loss),
+                     (_KTOCall, _name_kto, _served_kto_loss))  # fmt: skip
+    for call_type, named, served in served_losses:
         trainer = _trainer_class(call_type.trainer_path)
         made += [(trainer, "__init__", _after_init(named)), (trainer, "_compute_loss", served)]
     gkd = _name_served_or_not(_gkd_unserved, "GKDTrainer's generalized JSD (fused_linear_jsd)")

@@ -54,8 +54,8 @@ def _trainer(kind: str, model_dir: str, output_dir: str, model=None, **options):
         output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2, report_to=[], logging_steps=1,
         use_cpu=True, save_strategy="no", learning_rate=1e-3, bf16=False, seed=0,
     )  # fmt: skip
-    if kind not in ("dpo", "grpo", "rloo") and options:
-        raise ValueError(f"options {options} are for DPO, GRPO and RLOO")
+    if kind == "sft" and options:
+        raise ValueError(f"options {options} are for the other trainers")
     prompts = [_text(i, 3) for i in range(8)]
     model_dir = model_dir if model is None else model
     if kind == "sft":
@@ -69,7 +69,8 @@ def _trainer(kind: str, model_dir: str, output_dir: str, model=None, **options):
     if kind == "kto":
         columns = {"prompt": prompts, "completion": [_text(i + 1, 4) for i in range(8)]}
         data = datasets.Dataset.from_dict({**columns, "label": [i % 2 == 0 for i in range(8)]})
-        return trl.KTOTrainer(model_dir, args=trl.KTOConfig(**common), train_dataset=data, processing_class=tokenizer)
+        args = trl.KTOConfig(**{**common, **options})
+        return trl.KTOTrainer(model_dir, args=args, train_dataset=data, processing_class=tokenizer)
     config, trainer = {"grpo": (trl.GRPOConfig, trl.GRPOTrainer), "rloo": (trl.RLOOConfig, trl.RLOOTrainer)}[kind]
     args = config(**{**common, "num_generations": 2, "max_completion_length": 4, "beta": 0.04, **options})
     data = datasets.Dataset.from_dict({"prompt": prompts})
@@ -123,12 +124,20 @@ def _assert_same_logs(ours, theirs, tol):
             assert math.isclose(our_row[name], their_row[name], rel_tol=tol, abs_tol=tol), (step, name)
 
 
+FUSED_LOSSES = ("fused_linear_grpo", "fused_linear_dpo", "fused_linear_kto")
+
+
+def _served_by(loss: str | None, calls: int) -> dict[str, int]:
+    """The fused losses' calls: ``calls`` of ``loss``, none of the others."""
+    return {name: calls if name == loss else 0 for name in FUSED_LOSSES}
+
+
 @pytest.fixture
 def head_calls(monkeypatch):
     """Calls of TRL's own head, of liger_lab's RL head in patch_trl's head, and of the fused losses there."""
     from trl.kernels import ChunkedLogProbFunction
 
-    calls = {"trl": 0, "rl_head": 0, "fused_linear_grpo": 0, "fused_linear_dpo": 0}
+    calls = {"trl": 0, "rl_head": 0, **dict.fromkeys(FUSED_LOSSES, 0)}
 
     def counted(key, function):
         def call(*args, **kwargs):
@@ -140,7 +149,7 @@ def head_calls(monkeypatch):
     trl_forward = ChunkedLogProbFunction.forward
     monkeypatch.setattr(ChunkedLogProbFunction, "forward", staticmethod(counted("trl", trl_forward)))
     monkeypatch.setattr(trl_head, "fused_linear_logprobs", counted("rl_head", trl_head.fused_linear_logprobs))
-    for loss in ("fused_linear_grpo", "fused_linear_dpo"):
+    for loss in FUSED_LOSSES:
         monkeypatch.setattr(trl_head, loss, counted(loss, getattr(trl_head, loss)))
     return calls
 
@@ -176,7 +185,7 @@ def test_grpo_runs_on_fused_linear_grpo_like_on_trl_s_own(config, tiny_model_dir
     assert other_calls >= (STEPS if options.get("beta") else 0)
     head_calls["trl"] = 0
     ours, head, messages = _train("grpo", tiny_model_dir, str(tmp_path / "liger_lab"), patched=True, **options)
-    assert head_calls == {"trl": 0, "rl_head": other_calls, "fused_linear_grpo": steps, "fused_linear_dpo": 0}
+    assert head_calls == {"trl": 0, "rl_head": other_calls, **_served_by("fused_linear_grpo", steps)}, head_calls
     assert (head.calls, head.fallbacks, messages) == (steps + other_calls, 0, [])
     _assert_same_logs(ours, theirs, tol=1e-5)
     assert any(row.get("clip_ratio/region_mean", 0) > 0 for row in ours) or config not in ("dapo_kl", "grpo_sequence")
@@ -186,33 +195,40 @@ def test_grpo_runs_on_fused_linear_grpo_like_on_trl_s_own(config, tiny_model_dir
 # gradient's size, so a gradient element near 0 whose sign rounds the other way (fused_linear_dpo sums in float64, TRL
 # in fp32) moves a weight by twice the rate, a difference beyond 1e-5 two steps later. SGD keeps rounding at rounding.
 SGD = {"optim": "sgd", "learning_rate": 0.5}
-DPO_OPTIONS = {
+PREFERENCE_OPTIONS = {
     # The reference model's log-probs computed before the policy's forward (TRL computes them after it).
-    "sigmoid": SGD,
+    ("dpo", "sigmoid"): SGD,
     # Another loss type and a loss weight; the reference's log-probs precomputed (precompute_ref_log_probs), over two
     # accumulation steps; the rows TRL's fused forward scores on a GPU (only the completions').
-    "robust_precomputed_compact_rows": {**SGD, "loss_type": ["robust"], "label_smoothing": 0.2, "loss_weights": [0.5],
-                                        "precompute_ref_log_probs": True, "gradient_accumulation_steps": 2},
+    ("dpo", "robust_precomputed_compact_rows"): {**SGD, "loss_type": ["robust"], "label_smoothing": 0.2,
+                                                 "loss_weights": [0.5], "precompute_ref_log_probs": True,
+                                                 "gradient_accumulation_steps": 2},
+    # The KL estimate from the policy's and the reference's log-probs of the KL completions; the two weights; the
+    # completions' rows alone.
+    ("kto", "kto_weighted_compact_rows"): {**SGD, "desirable_weight": 1.5, "undesirable_weight": 0.5},
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("config", DPO_OPTIONS)
-def test_dpo_runs_on_fused_linear_dpo_like_on_trl_s_own(config, tiny_model_dir, tmp_path, head_calls, monkeypatch):
-    """DPO's loss from fused_linear_dpo on the policy's hidden states, and the entropy, mean logits and token accuracy
-    DPO logs from the same pass: the policy's head runs 0 times (liger_lab's RL head serves the reference's
-    log-probs, as many calls as TRL's head makes for them), and every logged number agrees with TRL alone to 1e-5."""
-    if config == "robust_precomputed_compact_rows":
+@pytest.mark.parametrize(("kind", "config"), PREFERENCE_OPTIONS)
+def test_preference_loss_runs_on_its_fused_loss_like_on_trl_s_own(
+    kind, config, tiny_model_dir, tmp_path, head_calls, monkeypatch
+):
+    """DPO's and KTO's losses from fused_linear_dpo and fused_linear_kto on the policy's hidden states, and the
+    statistics they log (entropy, mean logits, DPO's token accuracy) from the same pass: the policy's head runs 0
+    times (liger_lab's RL head serves the reference's log-probs and KTO's KL completions, as many calls as TRL's
+    head makes for them), and every logged number agrees with TRL alone to 1e-5."""
+    if "compact_rows" in config:
         monkeypatch.setattr("trl.trainer.utils._use_triton", lambda device: True)
-    options = DPO_OPTIONS[config]
-    trainers = [_trainer("dpo", tiny_model_dir, str(tmp_path / way), **options) for way in ("trl", "liger_lab")]
+    options = PREFERENCE_OPTIONS[kind, config]
+    trainers = [_trainer(kind, tiny_model_dir, str(tmp_path / way), **options) for way in ("trl", "liger_lab")]
     head_calls["trl"] = 0  # training's calls alone (precompute_ref_log_probs calls the head as the trainer is built)
     theirs, _, _ = _run(trainers[0], patched=False)
     steps = STEPS * options.get("gradient_accumulation_steps", 1)
-    reference_calls = head_calls["trl"] - steps
+    other_calls = head_calls["trl"] - steps
     head_calls["trl"] = 0
     ours, head, messages = _run(trainers[1], patched=True)
-    assert head_calls == {"trl": 0, "rl_head": reference_calls, "fused_linear_grpo": 0, "fused_linear_dpo": steps}
-    assert (head.calls, head.fallbacks, messages) == (steps + reference_calls, 0, [])
+    assert head_calls == {"trl": 0, "rl_head": other_calls, **_served_by(f"fused_linear_{kind}", steps)}, head_calls
+    assert (head.calls, head.fallbacks, messages) == (steps + other_calls, 0, [])
     _assert_same_logs(ours, theirs, tol=1e-5)
 
 
@@ -223,6 +239,8 @@ def test_dpo_runs_on_fused_linear_dpo_like_on_trl_s_own(config, tiny_model_dir, 
         ("grpo", {"off_policy_mask_threshold": 0.5, "beta": 0.0}, "off_policy_mask_threshold"),
         # Two loss types summed (MPO's sigmoid + SFT): fused_linear_dpo computes one.
         ("dpo", {**SGD, "loss_type": ["sigmoid", "sft"], "loss_weights": [0.8, 0.2]}, "fused_linear_dpo computes one"),
+        # Dropout on: the reference's forward, moved before the policy's, would draw other masks.
+        ("kto", {**SGD, "disable_dropout": False}, "disable_dropout=False"),
     ],
 )
 def test_an_option_not_served_keeps_trl_s_loss_and_is_named(kind, options, why, tiny_model_dir, tmp_path, head_calls):
@@ -235,8 +253,7 @@ def test_an_option_not_served_keeps_trl_s_loss_and_is_named(kind, options, why, 
     ours, head, messages = _run(trainer, patched=True)
     assert len(messages) == 1 and why in messages[0], messages
     assert f"{type(trainer).__name__}'s loss stays TRL's" in messages[0]
-    assert head.fallbacks == 1 and head_calls == {"trl": 0, "rl_head": trl_calls, "fused_linear_grpo": 0,
-                                                  "fused_linear_dpo": 0}, head_calls  # fmt: skip
+    assert head.fallbacks == 1 and head_calls == {"trl": 0, "rl_head": trl_calls, **_served_by(None, 0)}, head_calls
     assert why in liger_lab.patch_report(trainer.model).left_alone["TRL trainer"]
     _assert_same_logs(ours, theirs, tol=1e-5)
 
