@@ -17,7 +17,7 @@ own code on our log-probs, except GRPO's, DPO's and KTO's (below). As in TRL, ``
 
 ``liger_lab.patch(model)`` patches the backbone (norms, RoPE, MLP) as usual; the two compose in either order.
 
-Five more things happen while TRL is patched:
+Six more things happen while TRL is patched:
 
 * **The reference model computes as the policy does.** DPO, KTO, GRPO and RLOO load their reference model from the
   policy's path. When the policy was patched as an object (``liger_lab.patch(model)``), that fresh copy would run
@@ -59,9 +59,17 @@ Five more things happen while TRL is patched:
   for both with ``disable_dropout=False`` and a reference computed in the loop (its forward, moved first, would
   draw other dropout masks), a head with a bias or soft-capped logits, and a subclass with its own
   ``_compute_loss``, ``compute_ref_log_probs`` or (KTO) ``_compute_kl_logps``.
-* **What is not served is said.** Such a trainer or option, and the experimental CPO and ORPO trainers (their
-  losses come from full logits), warn once, count a fallback, and :func:`liger_lab.patch_report` of the model names
-  them; a trainer served here shows there as served.
+* **The experimental CPO's loss runs on** :func:`liger_lab.fused_linear_cpo`. ``CPOTrainer`` asks the model for the
+  logits of the chosen and rejected sequences (``concatenated_forward``); under the patch the backbone's last
+  hidden states and the head weight make the loss, its NLL term and their gradient instead (TRL's beta, loss type,
+  label smoothing, ``cpo_alpha``, ``simpo_gamma``, AlphaPO's ``alpha``), the logits never made, and TRL's code
+  computes its metrics from the scores of the same pass (the logits' mean it logs from the hidden states and the
+  weight's mean row, the same number for a linear head). TRL's path stays for an encoder-decoder model, a
+  Mixture-of-Experts router loss, the heads GKD's path does not serve (scaled or soft-capped logits, a bias, a LoRA
+  adapter on the head, a vision-language model), and a subclass with its own loss computation.
+* **What is not served is said.** Such a trainer or option, and the experimental ORPO trainer (its loss comes from
+  full logits), warn once, count a fallback, and :func:`liger_lab.patch_report` of the model names them; a trainer
+  served here shows there as served.
 """
 
 from __future__ import annotations
@@ -86,14 +94,15 @@ from liger_lab.hf import report as hf_report
 from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
 from liger_lab.ops.grpo import fused_linear_grpo
 from liger_lab.ops.logprobs import fused_linear_logprobs
-from liger_lab.ops.preference import fused_linear_dpo, fused_linear_kto
+from liger_lab.ops.preference import fused_linear_cpo, fused_linear_dpo, fused_linear_kto
 
 
 class LigerLabHead:
     """Stands in for ``trl.kernels.ChunkedLogProbFunction``: the same ``apply`` call and the same five outputs
     (log-probs, entropy, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; None for those not asked for).
 
-    ``calls`` counts the calls liger_lab served (head calls, GRPO's losses, divergences of the distillation trainers);
+    ``calls`` counts the calls liger_lab served (head calls, the fused losses of GRPO, DPO, KTO and CPO, divergences
+    of the distillation trainers);
     ``fallbacks`` counts the trainers built while patched whose loss, or one of whose options, liger_lab does not
     serve (the module docstring names them); TRL's head itself serves none, since the RL head computes every output
     and transform TRL's has."""
@@ -123,9 +132,7 @@ class LigerLabHead:
         dtype = _compute_dtype(hidden)
         if self.served is not None and bias is None and final_logit_softcapping is None:
             with torch.autocast(hidden.device.type, enabled=False):
-                served = self.served.serve(hidden.to(dtype), weight.to(dtype), temperature, logit_scale)
-            self.calls += 1
-            return served
+                return self.served.serve(hidden.to(dtype), weight.to(dtype), temperature, logit_scale)
         wanted = tuple(name for name in HEAD_OUTPUTS if name in outputs)
         with torch.autocast(hidden.device.type, enabled=False):
             cast_bias = None if bias is None else bias.to(dtype)
@@ -183,10 +190,7 @@ def _trl_utils():
 
 # Trainers that load a reference model from the policy's path, and those whose loss stays TRL's, with why.
 _WITH_REFERENCE = ("trl.DPOTrainer", "trl.KTOTrainer", "trl.GRPOTrainer", "trl.RLOOTrainer")
-_NOT_SERVED = {
-    "trl.experimental.cpo.CPOTrainer": "its loss is computed from the full logits",
-    "trl.experimental.orpo.ORPOTrainer": "its loss is computed from the full logits",
-}
+_NOT_SERVED = {"trl.experimental.orpo.ORPOTrainer": "its loss is computed from the full logits"}
 _DISTILLATION = "trl.DistillationTrainer"
 _GKD = "trl.experimental.gkd.GKDTrainer"
 # What a trainer's model is trained with under the patch -> patch_report's line for it: the loss liger_lab serves,
@@ -429,11 +433,11 @@ def _through(wrapper: nn.Module, inner: nn.Module, method: Callable, *args: obje
 
 
 def _last_hidden_state(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The backbone's last hidden states of a model :func:`_plain_head` accepts, at every position that predicts a
-    next token (as GKD shifts its logits)."""
+    """The backbone's last hidden states of a model :func:`_plain_head` accepts, at every position (those before the
+    last predict a next token)."""
     backbone = hf_api.unwrap(model).base_model
     batch = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "use_cache": False}
-    return backbone(**batch).last_hidden_state[:, :-1]
+    return backbone(**batch).last_hidden_state
 
 
 def _gkd_loss(trainer: object, model: nn.Module, inputs: dict[str, torch.Tensor], num_items_in_batch) -> torch.Tensor:
@@ -444,11 +448,11 @@ def _gkd_loss(trainer: object, model: nn.Module, inputs: dict[str, torch.Tensor]
     student, teacher = accelerator.unwrap_model(model), accelerator.unwrap_model(trainer.teacher_model)
     trainer.teacher_model.eval()
     with torch.no_grad(), accelerator.autocast():
-        teacher_hidden = _through(trainer.teacher_model, teacher, _last_hidden_state, teacher, inputs)
+        teacher_hidden = _through(trainer.teacher_model, teacher, _last_hidden_state, teacher, inputs)[:, :-1]
 
     def student_loss(student: nn.Module) -> torch.Tensor:
         with accelerator.autocast():
-            student_hidden = _last_hidden_state(student, inputs)
+            student_hidden = _last_hidden_state(student, inputs)[:, :-1]  # GKD shifts its logits
         loss, _ = _trl_utils()._ChunkedLogProbFunction.jsd(
             (student_hidden, _plain_head(student).weight), (teacher_hidden, _plain_head(teacher).weight),
             inputs["labels"][:, 1:], beta=trainer.beta, num_items_in_batch=num_items_in_batch,
@@ -459,12 +463,13 @@ def _gkd_loss(trainer: object, model: nn.Module, inputs: dict[str, torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------------
-# Losses served from the policy's head call. GRPOTrainer's and DPOTrainer's ``_compute_loss`` ask the model for the
-# policy's per-token log-probs (and the statistics their metrics read) and build the loss from them. Under the patch
-# that head call is served by the trainer's fused loss, given the hidden states and head weight TRL's fused forward
-# hands the head: the loss and its gradient are made there, and the same pass gives the per-token values, without
-# gradient, that TRL's own code then reads. The loss TRL returns keeps its value (its terms outside the policy loss,
-# the MoE load balancing, included) and takes the fused loss's gradient, scaled as TRL scales its loss.
+# Losses served where TRL computes them. GRPOTrainer's, DPOTrainer's and KTOTrainer's ``_compute_loss`` ask the model
+# for the policy's per-token log-probs (and the statistics their metrics read) and build the loss from them. Under
+# the patch that head call is served by the trainer's fused loss, given the hidden states and head weight TRL's fused
+# forward hands the head: the loss and its gradient are made there, and the same pass gives the per-token values,
+# without gradient, that TRL's own code then reads (CPOTrainer, whose TRL asks for logits, at the end). The loss TRL
+# returns keeps its value (its terms outside the policy loss, the MoE load balancing, included) and takes the fused
+# loss's gradient, scaled as TRL scales its loss.
 
 
 def _completion_rows(hidden: torch.Tensor, scored: torch.Tensor, compact: bool) -> torch.Tensor:
@@ -499,8 +504,9 @@ def _head_layout(
 
 @dataclass
 class _ServedCall:
-    """One ``_compute_loss`` of a trainer whose loss a fused loss serves, under the patch: what :meth:`serve` needs
-    of the trainer and the micro-batch, and the fused loss it made (None until then). One subclass per trainer."""
+    """One call of the loss method (:attr:`loss_method`) of a trainer whose loss a fused loss serves, under the patch:
+    what the fused loss needs of the trainer and the micro-batch, and the loss it made (None until then). One
+    subclass per trainer."""
 
     trainer: object
     inputs: dict[str, torch.Tensor]
@@ -512,6 +518,8 @@ class _ServedCall:
     """The liger_lab function that serves it."""
     own_methods: ClassVar[tuple[str, ...]]
     """TRL's methods whose work :meth:`serve` does: a subclass with its own is not served."""
+    loss_method: ClassVar[str] = "_compute_loss"
+    """The trainer's method that computes the loss of a micro-batch, which :func:`_served_loss` wraps."""
 
     @classmethod
     def served_as(cls) -> str:
@@ -538,12 +546,12 @@ class _ServedCall:
 
     @classmethod
     def start(cls, trainer: object, inputs: dict[str, torch.Tensor]) -> _ServedCall:
-        """The call for one micro-batch, made before TRL's ``_compute_loss`` runs and before the head serves it."""
+        """The call for one micro-batch, made before TRL's loss method runs and before the head serves it."""
         return cls(trainer, inputs)
 
     @contextlib.contextmanager
     def around_trl(self) -> Iterator[None]:
-        """Held while TRL's ``_compute_loss`` runs on :attr:`inputs`."""
+        """Held while TRL's loss method runs on :attr:`inputs`."""
         yield
 
     @property
@@ -552,11 +560,12 @@ class _ServedCall:
         return 1.0
 
     def keep(self, loss: torch.Tensor) -> None:
-        """Keep the fused loss of the micro-batch."""
+        """Keep the fused loss of the micro-batch, a call the head counts."""
         if self.loss is not None:  # the micro-batch's rows came in two calls: the loss of one would be wrong
             name = type(self.trainer).__name__
-            raise RuntimeError(f"liger_lab.patch_trl: {name}'s policy head was called twice in one _compute_loss")
+            raise RuntimeError(f"liger_lab.patch_trl: {name}'s policy head was called twice in one {self.loss_method}")
         self.loss = loss
+        _trl_utils()._ChunkedLogProbFunction.calls += 1
 
     def serve(
         self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float
@@ -568,21 +577,22 @@ class _ServedCall:
 
 
 def _served_loss(call_type: type[_ServedCall]) -> tuple[Callable[[object], None], Callable[[Callable], Callable]]:
-    """(what names the trainer served or not, once; the maker of its ``_compute_loss``): TRL's own, with the
-    policy's head call served by ``call_type``, or TRL's own alone where ``call_type.unserved`` finds a reason."""
+    """(what names the trainer served or not, once; the maker of its loss method, ``call_type.loss_method``): TRL's
+    own, run with ``call_type``'s work in place (the policy's head call served), or TRL's own alone where
+    ``call_type.unserved`` finds a reason."""
     named = _name_served_or_not(call_type.unserved, call_type.served_as())
 
     def make(trl_compute_loss: Callable) -> Callable:
-        def _compute_loss(self, model, inputs, *args):
+        def loss_method(self, model, inputs, *args, **kwargs):
             named(self)
             head = _trl_utils()._ChunkedLogProbFunction
             if not isinstance(head, LigerLabHead) or call_type.unserved(self) is not None:
-                return trl_compute_loss(self, model, inputs, *args)
+                return trl_compute_loss(self, model, inputs, *args, **kwargs)
             call = call_type.start(self, inputs)
             head.served = call
             try:
                 with call.around_trl():
-                    result = trl_compute_loss(self, model, call.inputs, *args)
+                    result = trl_compute_loss(self, model, call.inputs, *args, **kwargs)
             finally:
                 head.served = None
             if call.loss is None:  # the head was given a bias or a soft cap after all: TRL's loss on our head's values
@@ -591,7 +601,7 @@ def _served_loss(call_type: type[_ServedCall]) -> tuple[Callable[[object], None]
             loss = loss + call.scale * (call.loss - call.loss.detach())
             return (loss, *outputs) if outputs else loss
 
-        return _compute_loss
+        return loss_method
 
     return named, make
 
@@ -874,9 +884,89 @@ class _KTOCall(_PreferenceCall):
         )  # fmt: skip
 
 
-_name_grpo, _served_grpo_loss = _served_loss(_GRPOCall)
-_name_dpo, _served_dpo_loss = _served_loss(_DPOCall)
-_name_kto, _served_kto_loss = _served_loss(_KTOCall)
+# ---------------------------------------------------------------------------------------------------
+# The experimental CPOTrainer: its loss, from the full logits, on fused_linear_cpo from the last hidden states.
+
+
+@dataclass
+class _CPOCall(_ServedCall):
+    """One ``CPOTrainer.get_batch_loss_metrics`` on :func:`fused_linear_cpo`, with TRL's beta, loss type, label
+    smoothing, ``cpo_alpha``, ``simpo_gamma`` and AlphaPO's ``alpha``.
+
+    TRL's ``concatenated_forward`` asks the model for the logits of the chosen and rejected sequences and returns
+    their scores, the logits themselves and the NLL; TRL's code builds the loss and its metrics from them. While
+    the call runs, :meth:`concatenated_forward` stands in for it: the backbone's last hidden states and the head
+    weight make the loss and its gradient (three matmuls, the logits never held), with the scores and the chosen
+    tokens' log-probs (for the NLL) from the same pass. TRL reads the logits only for their mean (its
+    ``logits/chosen`` and ``logits/rejected``): a linear head's mean logit at a position is its hidden state times
+    the weight's mean row, so that mean, over every position as TRL takes it, stands in for them (a one-element
+    tensor). Not served: an encoder-decoder model, a Mixture-of-Experts model's router loss (from the model's own
+    forward), and heads whose product with the last hidden states is not the logits (:func:`_plain_head`)."""
+
+    trainer_path = "trl.experimental.cpo.CPOTrainer"
+    fused_loss = "fused_linear_cpo"
+    own_methods = ("get_batch_loss_metrics", "concatenated_forward", "concatenated_inputs", "cpo_loss")
+    loss_method = "get_batch_loss_metrics"
+
+    @staticmethod
+    def options_unserved(trainer: object) -> str | None:
+        if trainer.is_encoder_decoder:
+            return "an encoder-decoder model"
+        if trainer.aux_loss_enabled:
+            return "output_router_logits: the router's loss comes from the model's own forward"
+        head = _plain_head(trainer.accelerator.unwrap_model(trainer.model))
+        return head if isinstance(head, str) else None
+
+    @contextlib.contextmanager
+    def around_trl(self) -> Iterator[None]:
+        self.trainer.concatenated_forward = self.concatenated_forward
+        try:
+            yield
+        finally:
+            del self.trainer.concatenated_forward
+
+    def concatenated_forward(
+        self, model: nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What TRL's ``concatenated_forward`` returns (chosen and rejected scores, the logits' stand-ins, the NLL),
+        without gradient, the fused loss kept."""
+        trainer = self.trainer
+        sequences = trainer.concatenated_inputs(batch, padding_value=trainer.pad_token_id,
+                                                device=trainer.accelerator.device)  # fmt: skip
+        inputs = {"input_ids": sequences["concatenated_input_ids"],
+                  "attention_mask": sequences["concatenated_attention_mask"]}  # fmt: skip
+        policy = trainer.accelerator.unwrap_model(model)
+        return _through(model, policy, self.fused, policy, inputs, sequences["concatenated_labels"])
+
+    def fused(
+        self, policy: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        trainer = self.trainer
+        with trainer.accelerator.autocast():
+            hidden = _last_hidden_state(policy, inputs)
+            dtype = _compute_dtype(hidden)
+        weight = _plain_head(policy).weight.to(dtype)
+        loss_type, with_nll = trainer.loss_type, trainer.cpo_alpha != 0
+        with torch.autocast(hidden.device.type, enabled=False):
+            loss, chosen, rejected, *logps = fused_linear_cpo(
+                hidden[:, :-1].to(dtype), weight, labels[:, 1:], beta=trainer.beta, loss_type=loss_type,
+                label_smoothing=trainer.label_smoothing if loss_type in ("sigmoid", "simpo") else 0.0,
+                cpo_alpha=trainer.cpo_alpha, simpo_gamma=trainer.args.simpo_gamma, alpha=trainer.alpha,
+                return_logps=True, token_outputs=("log_probs",) if with_nll else (),
+            )  # fmt: skip
+            self.keep(loss)
+            n_chosen = chosen.shape[0]
+            nll = torch.zeros((), device=hidden.device)
+            if with_nll:  # TRL's cross-entropy: the mean over the chosen sequences' kept tokens
+                kept = labels[:n_chosen, 1:] != -100
+                nll = -logps[0][:n_chosen][kept].sum() / kept.sum()
+            mean_row = weight.detach().float().mean(0)  # TRL's mean of the logits, over every position
+            means = [(part.detach().float() @ mean_row).mean().view(1) for part in hidden.split(n_chosen)]
+        return chosen, rejected, *means, nll
+
+
+_SERVED_LOSSES = {call_type: _served_loss(call_type) for call_type in (_GRPOCall, _DPOCall, _KTOCall, _CPOCall)}
+"""Each served trainer's call -> (what names it served or not, the maker of its loss method)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -930,11 +1020,9 @@ def _replacements() -> list[tuple[object, str, Callable[[Callable], Callable]]]:
     if _trainer_class(_DISTILLATION) is not None:
         made.append((importlib.import_module("trl.trainer.distillation_trainer"), "_chunked_divergence_loss",
                      _served_divergence))  # fmt: skip
-    served_losses = ((_GRPOCall, _name_grpo, _served_grpo_loss), (_DPOCall, _name_dpo, _served_dpo_loss),
-                     (_KTOCall, _name_kto, _served_kto_loss))  # fmt: skip
-    for call_type, named, served in served_losses:
+    for call_type, (named, served) in _SERVED_LOSSES.items():
         trainer = _trainer_class(call_type.trainer_path)
-        made += [(trainer, "__init__", _after_init(named)), (trainer, "_compute_loss", served)]
+        made += [(trainer, "__init__", _after_init(named)), (trainer, call_type.loss_method, served)]
     gkd = _name_served_or_not(_gkd_unserved, "GKDTrainer's generalized JSD (fused_linear_jsd)")
     made += [
         (_trainer_class(_GKD), "__init__", _after_init(gkd)),

@@ -61,11 +61,17 @@ def _trainer(kind: str, model_dir: str, output_dir: str, model=None, **options):
     if kind == "sft":
         data = datasets.Dataset.from_dict({"text": [_text(i, 6) for i in range(8)]})
         return trl.SFTTrainer(model_dir, args=trl.SFTConfig(**common), train_dataset=data, processing_class=tokenizer)
-    if kind == "dpo":
+    if kind in ("dpo", "cpo"):
         columns = {"prompt": prompts, "chosen": [_text(i + 1, 4) for i in range(8)]}
         data = datasets.Dataset.from_dict({**columns, "rejected": [_text(i + 2, 3) for i in range(8)]})
-        args = trl.DPOConfig(**{**common, **options})
-        return trl.DPOTrainer(model_dir, args=args, train_dataset=data, processing_class=tokenizer)
+        if kind == "dpo":
+            args = trl.DPOConfig(**{**common, **options})
+            return trl.DPOTrainer(model_dir, args=args, train_dataset=data, processing_class=tokenizer)
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        policy = transformers.AutoModelForCausalLM.from_pretrained(model_dir) if model is None else model
+        args = CPOConfig(**{**common, **options})
+        return CPOTrainer(policy, args=args, train_dataset=data, processing_class=tokenizer)
     if kind == "kto":
         columns = {"prompt": prompts, "completion": [_text(i + 1, 4) for i in range(8)]}
         data = datasets.Dataset.from_dict({**columns, "label": [i % 2 == 0 for i in range(8)]})
@@ -102,7 +108,7 @@ METRIC_TOL = 1e-4
 UNCOMPARED = {"step_time", "learning_rate", "epoch", "train_runtime"}
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo", "rloo"])
+@pytest.mark.parametrize("kind", ["sft", "grpo", "rloo"])  # DPO and KTO: test_preference_loss_runs_on_its_fused_loss
 def test_trainer_runs_on_liger_lab_head_like_on_trl_s_own(kind, tiny_model_dir, tmp_path):
     theirs, _, _ = _train(kind, tiny_model_dir, str(tmp_path / "trl"), patched=False)
     ours, head, messages = _train(kind, tiny_model_dir, str(tmp_path / "liger_lab"), patched=True)
@@ -112,7 +118,7 @@ def test_trainer_runs_on_liger_lab_head_like_on_trl_s_own(kind, tiny_model_dir, 
         assert our_row.keys() == their_row.keys()
         for name in our_row.keys() - UNCOMPARED:
             assert math.isclose(our_row[name], their_row[name], rel_tol=METRIC_TOL, abs_tol=METRIC_TOL), (step, name)
-    # SFT logs the token accuracy and KTO the mean logit: liger_lab's head computes those too, with nothing to say.
+    # SFT logs the token accuracy: liger_lab's head computes it too, with nothing to say.
     assert messages == [], messages
 
 
@@ -124,7 +130,7 @@ def _assert_same_logs(ours, theirs, tol):
             assert math.isclose(our_row[name], their_row[name], rel_tol=tol, abs_tol=tol), (step, name)
 
 
-FUSED_LOSSES = ("fused_linear_grpo", "fused_linear_dpo", "fused_linear_kto")
+FUSED_LOSSES = ("fused_linear_grpo", "fused_linear_dpo", "fused_linear_kto", "fused_linear_cpo")
 
 
 def _served_by(loss: str | None, calls: int) -> dict[str, int]:
@@ -206,6 +212,8 @@ PREFERENCE_OPTIONS = {
     # The KL estimate from the policy's and the reference's log-probs of the KL completions; the two weights; the
     # completions' rows alone.
     ("kto", "kto_weighted_compact_rows"): {**SGD, "desirable_weight": 1.5, "undesirable_weight": 0.5},
+    # The experimental CPO, from the full logits in TRL: its NLL term, label smoothing and AlphaPO's reward shape.
+    ("cpo", "sigmoid_alpha"): {**SGD, "label_smoothing": 0.1, "alpha": 0.05},
 }  # fmt: skip
 
 
@@ -213,10 +221,11 @@ PREFERENCE_OPTIONS = {
 def test_preference_loss_runs_on_its_fused_loss_like_on_trl_s_own(
     kind, config, tiny_model_dir, tmp_path, head_calls, monkeypatch
 ):
-    """DPO's and KTO's losses from fused_linear_dpo and fused_linear_kto on the policy's hidden states, and the
-    statistics they log (entropy, mean logits, DPO's token accuracy) from the same pass: the policy's head runs 0
-    times (liger_lab's RL head serves the reference's log-probs and KTO's KL completions, as many calls as TRL's
-    head makes for them), and every logged number agrees with TRL alone to 1e-5."""
+    """DPO's, KTO's and CPO's losses from fused_linear_dpo, fused_linear_kto and fused_linear_cpo on the policy's
+    hidden states, and the statistics they log (entropy, mean logits, DPO's token accuracy, CPO's NLL) from the same
+    pass: the policy's head runs 0 times (liger_lab's RL head serves the reference's log-probs and KTO's KL
+    completions, as many calls as TRL's head makes for them; CPO's TRL makes the logits, no head call), and every
+    logged number agrees with TRL alone to 1e-5."""
     if "compact_rows" in config:
         monkeypatch.setattr("trl.trainer.utils._use_triton", lambda device: True)
     options = PREFERENCE_OPTIONS[kind, config]
@@ -224,7 +233,7 @@ def test_preference_loss_runs_on_its_fused_loss_like_on_trl_s_own(
     head_calls["trl"] = 0  # training's calls alone (precompute_ref_log_probs calls the head as the trainer is built)
     theirs, _, _ = _run(trainers[0], patched=False)
     steps = STEPS * options.get("gradient_accumulation_steps", 1)
-    other_calls = head_calls["trl"] - steps
+    other_calls = head_calls["trl"] - (0 if kind == "cpo" else steps)
     head_calls["trl"] = 0
     ours, head, messages = _run(trainers[1], patched=True)
     assert head_calls == {"trl": 0, "rl_head": other_calls, **_served_by(f"fused_linear_{kind}", steps)}, head_calls
@@ -239,8 +248,6 @@ def test_preference_loss_runs_on_its_fused_loss_like_on_trl_s_own(
         ("grpo", {"off_policy_mask_threshold": 0.5, "beta": 0.0}, "off_policy_mask_threshold"),
         # Two loss types summed (MPO's sigmoid + SFT): fused_linear_dpo computes one.
         ("dpo", {**SGD, "loss_type": ["sigmoid", "sft"], "loss_weights": [0.8, 0.2]}, "fused_linear_dpo computes one"),
-        # Dropout on: the reference's forward, moved before the policy's, would draw other masks.
-        ("kto", {**SGD, "disable_dropout": False}, "disable_dropout=False"),
     ],
 )
 def test_an_option_not_served_keeps_trl_s_loss_and_is_named(kind, options, why, tiny_model_dir, tmp_path, head_calls):
@@ -256,6 +263,23 @@ def test_an_option_not_served_keeps_trl_s_loss_and_is_named(kind, options, why, 
     assert head.fallbacks == 1 and head_calls == {"trl": 0, "rl_head": trl_calls, **_served_by(None, 0)}, head_calls
     assert why in liger_lab.patch_report(trainer.model).left_alone["TRL trainer"]
     _assert_same_logs(ours, theirs, tol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_dropout_with_the_reference_in_the_loop_is_named(kind, tiny_model_dir, tmp_path):
+    """disable_dropout=False: the reference's forward, moved before the policy's, would draw other dropout masks, so
+    the loss stays TRL's, named as the trainer is built (with the reference's log-probs precomputed it is served)."""
+    head = liger_lab.patch_trl()
+    try:
+        with pytest.warns(UserWarning, match="loss stays TRL's: disable_dropout=False"):
+            trainer = _trainer(kind, tiny_model_dir, str(tmp_path / "loop"), disable_dropout=False)
+        precomputed = _trainer(kind, tiny_model_dir, str(tmp_path / "precomputed"), disable_dropout=False,
+                               precompute_ref_log_probs=True)  # fmt: skip
+    finally:
+        liger_lab.unpatch_trl()
+    assert head.fallbacks == 1
+    assert "disable_dropout" in liger_lab.patch_report(trainer.model).left_alone["TRL trainer"]
+    assert liger_lab.patch_report(precomputed.model).replaced[f"{type(trainer).__name__}'s loss (fused_linear_{kind})"]
 
 
 def test_outputs_and_gradients_match_trl_s_head():
@@ -454,18 +478,18 @@ def test_an_option_not_served_keeps_trl_s_divergence_and_is_named(
 
 
 def test_a_trainer_whose_loss_is_not_served_is_named(tiny_model_dir, tmp_path):
-    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     student = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     liger_lab.patch(student)
     head = liger_lab.patch_trl()
     try:
-        args = CPOConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, bf16=False)
+        args = ORPOConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, bf16=False)
         prompts = [_text(i, 3) for i in range(4)]
         data = datasets.Dataset.from_dict({"prompt": prompts, "chosen": prompts, "rejected": prompts})
         tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
-        with pytest.warns(UserWarning, match="CPOTrainer's loss stays TRL's"):
-            trainer = CPOTrainer(student, args=args, train_dataset=data, processing_class=tokenizer)
+        with pytest.warns(UserWarning, match="ORPOTrainer's loss stays TRL's"):
+            trainer = ORPOTrainer(student, args=args, train_dataset=data, processing_class=tokenizer)
     finally:
         liger_lab.unpatch_trl()
     assert head.fallbacks == 1
