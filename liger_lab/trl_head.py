@@ -957,9 +957,8 @@ class _CPOCall(_ServedCall):
             self.keep(loss)
             n_chosen = chosen.shape[0]
             nll = torch.zeros((), device=hidden.device)
-            if with_nll:  # TRL's cross-entropy: the mean over the chosen sequences' kept tokens
-                kept = labels[:n_chosen, 1:] != -100
-                nll = -logps[0][:n_chosen][kept].sum() / kept.sum()
+            if with_nll:  # TRL's cross-entropy: the mean over the chosen sequences' kept tokens (logp 0 elsewhere)
+                nll = -logps[0][:n_chosen].sum() / (labels[:n_chosen, 1:] != -100).sum()
             mean_row = weight.detach().float().mean(0)  # TRL's mean of the logits, over every position
             means = [(part.detach().float() @ mean_row).mean().view(1) for part in hidden.split(n_chosen)]
         return chosen, rejected, *means, nll
