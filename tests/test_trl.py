@@ -160,6 +160,27 @@ def head_calls(monkeypatch):
     return calls
 
 
+def _served_both_ways(kind, model_dir, tmp_path, head_calls, **options):
+    """Train ``kind`` on TRL alone, then under patch_trl, and check that the fused loss served every micro-batch,
+    TRL's head none, liger_lab's RL head every other call TRL's head made in training (reference, old policy, KL
+    completions; precompute_ref_log_probs calls the head as the trainer is built, unpatched), and that every logged
+    number agrees to 1e-5. Returns our logged rows and those calls."""
+
+    def train(way: str, patched: bool):
+        trainer = _trainer(kind, model_dir, str(tmp_path / way), **options)
+        head_calls["trl"] = 0
+        return _run(trainer, patched=patched)
+
+    theirs, _, _ = train("trl", patched=False)
+    steps = STEPS * options.get("gradient_accumulation_steps", 1)
+    other_calls = head_calls["trl"] - (0 if kind == "cpo" else steps)  # CPO's TRL makes logits: no head call
+    ours, head, messages = train("liger_lab", patched=True)
+    assert head_calls == {"trl": 0, "rl_head": other_calls, **_served_by(f"fused_linear_{kind}", steps)}, head_calls
+    assert (head.calls, head.fallbacks, messages) == (steps + other_calls, 0, [])
+    _assert_same_logs(ours, theirs, tol=1e-5)
+    return ours, other_calls
+
+
 GRPO_OPTIONS = {
     "default": {"beta": 0.0},
     # The KL term (without TRL's default bias correction: the fused loss's three matmuls), over two accumulation
@@ -185,15 +206,8 @@ def test_grpo_runs_on_fused_linear_grpo_like_on_trl_s_own(config, tiny_model_dir
     if config == "compact_rows":
         monkeypatch.setattr("trl.trainer.utils._use_triton", lambda device: True)
     options = GRPO_OPTIONS[config]
-    theirs, _, _ = _train("grpo", tiny_model_dir, str(tmp_path / "trl"), patched=False, **options)
-    steps = STEPS * options.get("gradient_accumulation_steps", 1)
-    other_calls = head_calls["trl"] - steps  # the reference's and the old policy's log-probs
-    assert other_calls >= (STEPS if options.get("beta") else 0)
-    head_calls["trl"] = 0
-    ours, head, messages = _train("grpo", tiny_model_dir, str(tmp_path / "liger_lab"), patched=True, **options)
-    assert head_calls == {"trl": 0, "rl_head": other_calls, **_served_by("fused_linear_grpo", steps)}, head_calls
-    assert (head.calls, head.fallbacks, messages) == (steps + other_calls, 0, [])
-    _assert_same_logs(ours, theirs, tol=1e-5)
+    ours, other_calls = _served_both_ways("grpo", tiny_model_dir, tmp_path, head_calls, **options)
+    assert other_calls >= (STEPS if options.get("beta") else 0)  # the reference's and the old policy's log-probs
     assert any(row.get("clip_ratio/region_mean", 0) > 0 for row in ours) or config not in ("dapo_kl", "grpo_sequence")
 
 
@@ -228,17 +242,7 @@ def test_preference_loss_runs_on_its_fused_loss_like_on_trl_s_own(
     logged number agrees with TRL alone to 1e-5."""
     if "compact_rows" in config:
         monkeypatch.setattr("trl.trainer.utils._use_triton", lambda device: True)
-    options = PREFERENCE_OPTIONS[kind, config]
-    trainers = [_trainer(kind, tiny_model_dir, str(tmp_path / way), **options) for way in ("trl", "liger_lab")]
-    head_calls["trl"] = 0  # training's calls alone (precompute_ref_log_probs calls the head as the trainer is built)
-    theirs, _, _ = _run(trainers[0], patched=False)
-    steps = STEPS * options.get("gradient_accumulation_steps", 1)
-    other_calls = head_calls["trl"] - (0 if kind == "cpo" else steps)
-    head_calls["trl"] = 0
-    ours, head, messages = _run(trainers[1], patched=True)
-    assert head_calls == {"trl": 0, "rl_head": other_calls, **_served_by(f"fused_linear_{kind}", steps)}, head_calls
-    assert (head.calls, head.fallbacks, messages) == (steps + other_calls, 0, [])
-    _assert_same_logs(ours, theirs, tol=1e-5)
+    _served_both_ways(kind, tiny_model_dir, tmp_path, head_calls, **PREFERENCE_OPTIONS[kind, config])
 
 
 @pytest.mark.parametrize(
