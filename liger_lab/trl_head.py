@@ -472,15 +472,19 @@ def _gkd_loss(trainer: object, model: nn.Module, inputs: dict[str, torch.Tensor]
 # loss's gradient, scaled as TRL scales its loss.
 
 
-def _completion_rows(hidden: torch.Tensor, scored: torch.Tensor, compact: bool) -> torch.Tensor:
+def _completion_rows(hidden: torch.Tensor, scored: torch.Tensor, scale: float) -> tuple[torch.Tensor, bool]:
     """The hidden rows TRL's fused forward hands its head, as (B, T, H) at the B x T positions of ``scored`` (the
-    shifted labels' mask over the last T positions of each sequence). TRL scores, after the shift, on Triton's
-    devices only the labelled positions (``compact``), elsewhere every one (B x P rows, P >= T: a prompt-learning
+    shifted labels' mask over the last T positions of each sequence), times ``scale`` (a logit scale: the same
+    logits, the head being linear), and whether TRL gave them compact. TRL scores, after the shift, on Triton's
+    devices only the labelled positions (compact), elsewhere every one (B x P rows, P >= T: a prompt-learning
     adapter's virtual tokens come first)."""
     n_sequences, width = scored.shape
+    compact = _trl_utils()._use_triton(hidden.device)
     if compact:
-        return hidden.new_zeros(n_sequences, width, hidden.shape[-1]).masked_scatter(scored[..., None], hidden)
-    return hidden.reshape(n_sequences, -1, hidden.shape[-1])[:, -width:]
+        rows = hidden.new_zeros(n_sequences, width, hidden.shape[-1]).masked_scatter(scored[..., None], hidden)
+    else:
+        rows = hidden.reshape(n_sequences, -1, hidden.shape[-1])[:, -width:]
+    return (rows if scale == 1 else rows * scale), compact
 
 
 def _head_layout(
@@ -681,10 +685,7 @@ class _GRPOCall(_ServedCall):
         inputs = self.inputs
         completion = inputs["completion_mask"].bool()
         keep = completion if "tool_mask" not in inputs else completion & inputs["tool_mask"].bool()
-        compact = _trl_utils()._use_triton(hidden.device)
-        rows = _completion_rows(hidden, completion, compact)
-        if logit_scale != 1:  # the same logits: the head is linear
-            rows = rows * logit_scale
+        rows, compact = _completion_rows(hidden, completion, logit_scale)
         target = inputs["completion_ids"].masked_fill(~keep, -100)
         loss, log_probs, entropy = fused_linear_grpo(
             rows, weight, target, inputs["advantages"], temperature=temperature, per_token=True, **self.options()
@@ -757,10 +758,7 @@ class _PreferenceCall(_ServedCall):
         """:meth:`serve` by the fused ``loss`` with ``options``, on the completion tokens of the micro-batch's
         sequences (the labels TRL's forward scores: the input ids after the shift, where the completion mask is)."""
         scored = self.inputs["completion_mask"][:, 1:].bool()
-        compact = _trl_utils()._use_triton(hidden.device)
-        rows = _completion_rows(hidden, scored, compact)
-        if logit_scale != temperature:  # the same logits: the head is linear
-            rows = rows * (logit_scale / temperature)
+        rows, compact = _completion_rows(hidden, scored, logit_scale / temperature)
         target = self.inputs["input_ids"][:, 1:].masked_fill(~scored, -100)
         value, *per_token = loss(rows, weight, target, token_outputs=self.token_outputs, **options)
         self.keep(value)
