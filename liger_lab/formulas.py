@@ -495,12 +495,25 @@ def head_outputs(entropy: bool, outputs: Sequence[str]) -> tuple[str, ...]:
     order given. Raises ValueError for a name that is not one of :data:`HEAD_OUTPUTS` or one asked for twice."""
     if not isinstance(entropy, bool):
         raise ValueError(f"entropy is {entropy!r}: expected True or False")
-    if isinstance(outputs, str) or not all(isinstance(name, str) for name in outputs):
-        raise ValueError(f"outputs is {outputs!r}: expected a tuple of names from {HEAD_OUTPUTS}")
+    check_output_names("outputs", outputs, HEAD_OUTPUTS)
     names = (("entropy",) if entropy else ()) + tuple(outputs)
-    unknown = [name for name in names if name not in HEAD_OUTPUTS]
-    if unknown:
-        raise ValueError(f"outputs names {unknown[0]!r}: expected names from {HEAD_OUTPUTS}")
     if len(set(names)) != len(names):
         raise ValueError(f"outputs {names} names one output twice (entropy=True already returns the entropy)")
     return names
+
+
+TOKEN_OUTPUTS = ("log_probs", *HEAD_OUTPUTS)
+"""The per-token values a preference loss returns beside its loss on request (``token_outputs``), named as TRL's
+fused head names them: what TRL's DPO and KTO trainers log, from the loss's own pass over the vocabulary."""
+
+
+def check_output_names(argument: str, names: Sequence[str], allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` as a tuple, or ValueError naming ``argument``: a name not in ``allowed``, or one given twice."""
+    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"{argument} is {names!r}: expected a tuple of names from {allowed}")
+    unknown = [name for name in names if name not in allowed]
+    if unknown:
+        raise ValueError(f"{argument} names {unknown[0]!r}: expected names from {allowed}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{argument} {tuple(names)} names one output twice")
+    return tuple(names)

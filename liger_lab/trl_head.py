@@ -11,13 +11,13 @@ log-probs, every statistic TRL asks for (entropy, ``log_sum_sq_probs``, ``mean_l
 token accuracy, KTO the mean logit) and the gradient of every loss built on them come from liger_lab's kernels, in
 one pass over the vocabulary, soft-capped and scaled logits included (``final_logit_softcapping``, ``logit_scale``:
 Gemma 2, Cohere, Granite). TRL's own head runs 0 times. TRL looks the function up on each call, so the patch works
-whether the trainer was built before or after it. What stays TRL's: the losses themselves (DPO's sigmoid, KTO's KL
-estimate...), TRL's own code on our log-probs, except GRPO's (below). As in TRL, ``log_sum_sq_probs``, ``mean_logits``
-and ``is_top1`` carry no gradient here.
+whether the trainer was built before or after it. What stays TRL's: the losses themselves (RLOO's, SFT's...), TRL's
+own code on our log-probs, except GRPO's, DPO's and KTO's (below). As in TRL, ``log_sum_sq_probs``, ``mean_logits`` and
+``is_top1`` carry no gradient here.
 
 ``liger_lab.patch(model)`` patches the backbone (norms, RoPE, MLP) as usual; the two compose in either order.
 
-Four more things happen while TRL is patched:
+Six more things happen while TRL is patched:
 
 * **The reference model computes as the policy does.** DPO, KTO, GRPO and RLOO load their reference model from the
   policy's path. When the policy was patched as an object (``liger_lab.patch(model)``), that fresh copy would run
@@ -45,20 +45,44 @@ Four more things happen while TRL is patched:
   thing: a head with a bias or soft-capped logits, ``off_policy_mask_threshold`` (TRL compares with vLLM's sampling
   log-probs), ``top_entropy_quantile`` < 1 on several processes (TRL's quantile spans them), and a subclass with
   its own ``_compute_loss`` or ``_get_per_token_logps_and_entropies``.
-* **What is not served is said.** Such a trainer or option, and the experimental CPO and ORPO trainers (their
-  losses come from full logits), warn once, count a fallback, and :func:`liger_lab.patch_report` of the model names
-  them; a trainer served here shows there as served.
+* **DPO's and KTO's losses run on** :func:`liger_lab.fused_linear_dpo` **and** :func:`liger_lab.fused_linear_kto`,
+  the same way: the policy's head call in their ``_compute_loss`` is served by the fused loss (TRL's beta, loss type,
+  label smoothing and loss weight; KTO's desirable and undesirable weights and its KL estimate), whose pass also
+  gives the log-probs and the statistics TRL's code then reads (entropy, mean logits, DPO's token accuracy). The
+  fused loss needs the reference's log-probs before it makes its gradient, where TRL computes them after the
+  policy's forward: they are computed first, by TRL's own ``compute_ref_log_probs`` (the reference model, or a PEFT
+  policy with its adapter off), and TRL's code reads them as it reads precomputed ones. KTO's KL estimate is TRL's,
+  from the log-probs of the KL completions TRL's code scores on the RL head before the policy's forward. TRL's
+  loss, on liger_lab's head, stays for DPO's loss types other than sigmoid, hinge and robust (ipo: TRL divides by
+  completion counts taken before the shift), several loss types at once, an f-divergence other than reverse KL,
+  ``ld_alpha`` and ``use_weighting``; for KTO's vision datasets (``compute_ref_log_probs`` passes no images);
+  for both with ``disable_dropout=False`` and a reference computed in the loop (its forward, moved first, would
+  draw other dropout masks), a head with a bias or soft-capped logits, and a subclass with its own
+  ``_compute_loss``, ``compute_ref_log_probs`` or (KTO) ``_compute_kl_logps``.
+* **The experimental CPO's loss runs on** :func:`liger_lab.fused_linear_cpo`. ``CPOTrainer`` asks the model for the
+  logits of the chosen and rejected sequences (``concatenated_forward``); under the patch the backbone's last
+  hidden states and the head weight make the loss, its NLL term and their gradient instead (TRL's beta, loss type,
+  label smoothing, ``cpo_alpha``, ``simpo_gamma``, AlphaPO's ``alpha``), the logits never made, and TRL's code
+  computes its metrics from the scores of the same pass (the logits' mean it logs from the hidden states and the
+  weight's mean row, the same number for a linear head). TRL's path stays for an encoder-decoder model, a
+  Mixture-of-Experts router loss, the heads GKD's path does not serve (scaled or soft-capped logits, a bias, a LoRA
+  adapter on the head, a vision-language model), and a subclass with its own loss computation.
+* **What is not served is said.** Such a trainer or option, and the experimental ORPO trainer (its loss comes from
+  full logits), warn once, count a fallback, and :func:`liger_lab.patch_report` of the model names them; a trainer
+  served here shows there as served.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -70,13 +94,15 @@ from liger_lab.hf import report as hf_report
 from liger_lab.ops.fused_linear_jsd import fused_linear_jsd
 from liger_lab.ops.grpo import fused_linear_grpo
 from liger_lab.ops.logprobs import fused_linear_logprobs
+from liger_lab.ops.preference import fused_linear_cpo, fused_linear_dpo, fused_linear_kto
 
 
 class LigerLabHead:
     """Stands in for ``trl.kernels.ChunkedLogProbFunction``: the same ``apply`` call and the same five outputs
     (log-probs, entropy, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; None for those not asked for).
 
-    ``calls`` counts the calls liger_lab served (head calls, GRPO's losses, divergences of the distillation trainers);
+    ``calls`` counts the calls liger_lab served (head calls, the fused losses of GRPO, DPO, KTO and CPO, divergences
+    of the distillation trainers);
     ``fallbacks`` counts the trainers built while patched whose loss, or one of whose options, liger_lab does not
     serve (the module docstring names them); TRL's head itself serves none, since the RL head computes every output
     and transform TRL's has."""
@@ -85,8 +111,9 @@ class LigerLabHead:
         self.trl_function = trl_function
         self.calls = 0
         self.fallbacks = 0
-        self.grpo: _GRPOCall | None = None
-        """Set while a GRPOTrainer's loss is computed: the policy's head call is served by its fused loss."""
+        self.served: _ServedCall | None = None
+        """Set while a served trainer's loss is computed (GRPO's, DPO's): the policy's head call is served by its
+        fused loss."""
 
     def apply(
         self,
@@ -103,11 +130,9 @@ class LigerLabHead:
         # TRL's head computes in the autocast dtype when autocast is on (and the weight is cast chunk by chunk); the
         # RL head takes one dtype for hidden and weight, so both are cast once, outside autocast.
         dtype = _compute_dtype(hidden)
-        if self.grpo is not None and bias is None and final_logit_softcapping is None:
+        if self.served is not None and bias is None and final_logit_softcapping is None:
             with torch.autocast(hidden.device.type, enabled=False):
-                log_probs, entropy = self.grpo.serve(hidden.to(dtype), weight.to(dtype), temperature, logit_scale)
-            self.calls += 1
-            return log_probs, entropy, None, None, None
+                return self.served.serve(hidden.to(dtype), weight.to(dtype), temperature, logit_scale)
         wanted = tuple(name for name in HEAD_OUTPUTS if name in outputs)
         with torch.autocast(hidden.device.type, enabled=False):
             cast_bias = None if bias is None else bias.to(dtype)
@@ -165,10 +190,7 @@ def _trl_utils():
 
 # Trainers that load a reference model from the policy's path, and those whose loss stays TRL's, with why.
 _WITH_REFERENCE = ("trl.DPOTrainer", "trl.KTOTrainer", "trl.GRPOTrainer", "trl.RLOOTrainer")
-_NOT_SERVED = {
-    "trl.experimental.cpo.CPOTrainer": "its loss is computed from the full logits",
-    "trl.experimental.orpo.ORPOTrainer": "its loss is computed from the full logits",
-}
+_NOT_SERVED = {"trl.experimental.orpo.ORPOTrainer": "its loss is computed from the full logits"}
 _DISTILLATION = "trl.DistillationTrainer"
 _GKD = "trl.experimental.gkd.GKDTrainer"
 # What a trainer's model is trained with under the patch -> patch_report's line for it: the loss liger_lab serves,
@@ -411,11 +433,11 @@ def _through(wrapper: nn.Module, inner: nn.Module, method: Callable, *args: obje
 
 
 def _last_hidden_state(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The backbone's last hidden states of a model :func:`_plain_head` accepts, at every position that predicts a
-    next token (as GKD shifts its logits)."""
+    """The backbone's last hidden states of a model :func:`_plain_head` accepts, at every position (those before the
+    last predict a next token)."""
     backbone = hf_api.unwrap(model).base_model
     batch = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "use_cache": False}
-    return backbone(**batch).last_hidden_state[:, :-1]
+    return backbone(**batch).last_hidden_state
 
 
 def _gkd_loss(trainer: object, model: nn.Module, inputs: dict[str, torch.Tensor], num_items_in_batch) -> torch.Tensor:
@@ -426,11 +448,11 @@ def _gkd_loss(trainer: object, model: nn.Module, inputs: dict[str, torch.Tensor]
     student, teacher = accelerator.unwrap_model(model), accelerator.unwrap_model(trainer.teacher_model)
     trainer.teacher_model.eval()
     with torch.no_grad(), accelerator.autocast():
-        teacher_hidden = _through(trainer.teacher_model, teacher, _last_hidden_state, teacher, inputs)
+        teacher_hidden = _through(trainer.teacher_model, teacher, _last_hidden_state, teacher, inputs)[:, :-1]
 
     def student_loss(student: nn.Module) -> torch.Tensor:
         with accelerator.autocast():
-            student_hidden = _last_hidden_state(student, inputs)
+            student_hidden = _last_hidden_state(student, inputs)[:, :-1]  # GKD shifts its logits
         loss, _ = _trl_utils()._ChunkedLogProbFunction.jsd(
             (student_hidden, _plain_head(student).weight), (teacher_hidden, _plain_head(teacher).weight),
             inputs["labels"][:, 1:], beta=trainer.beta, num_items_in_batch=num_items_in_batch,
@@ -441,44 +463,180 @@ def _gkd_loss(trainer: object, model: nn.Module, inputs: dict[str, torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------------
-# GRPOTrainer: its loss on fused_linear_grpo, from the hidden states and weight TRL's fused head is given.
-
-_GRPO = "trl.GRPOTrainer"
-_GRPO_SERVED = "GRPOTrainer's loss (fused_linear_grpo)"
-_NORMALIZED_BY_ITEMS = ("cispo", "dapo", "vespo")
-"""GRPO's loss types whose loss TRL divides by ``num_items_in_batch`` (the others: by their own counts)."""
-
-
-def _grpo_unserved(trainer: object) -> str | None:
-    """Why GRPOTrainer's loss stays TRL's (liger_lab's head, TRL's loss on its log-probs), or None."""
-    trainer_class = _trainer_class(_GRPO)
-    for name in ("_compute_loss", "_get_per_token_logps_and_entropies"):
-        if getattr(type(trainer), name) is not getattr(trainer_class, name):
-            return f"{type(trainer).__name__} has its own {name}"
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    if getattr(model.get_output_embeddings(), "bias", None) is not None:
-        return "its lm_head has a bias, which fused_linear_grpo does not take"
-    if getattr(model.config.get_text_config(), "final_logit_softcapping", None) is not None:
-        return "its logits are soft-capped (final_logit_softcapping), which fused_linear_grpo does not do"
-    if trainer.off_policy_mask_threshold is not None:
-        return ("off_policy_mask_threshold: TRL's mask compares the policy with vLLM's sampling log-probs, or "
-                "with itself without old log-probs, where fused_linear_grpo compares it with old_logps")  # fmt: skip
-    if trainer.top_entropy_quantile < 1 and trainer.accelerator.num_processes > 1:
-        return "top_entropy_quantile < 1 on several processes: TRL's quantile is over the tokens of every process"
-    return None
+# Losses served where TRL computes them. GRPOTrainer's, DPOTrainer's and KTOTrainer's ``_compute_loss`` ask the model
+# for the policy's per-token log-probs (and the statistics their metrics read) and build the loss from them. Under
+# the patch that head call is served by the trainer's fused loss, given the hidden states and head weight TRL's fused
+# forward hands the head: the loss and its gradient are made there, and the same pass gives the per-token values,
+# without gradient, that TRL's own code then reads (CPOTrainer, whose TRL asks for logits, at the end). The loss TRL
+# returns keeps its value (its terms outside the policy loss, the MoE load balancing, included) and takes the fused
+# loss's gradient, scaled as TRL scales its loss.
 
 
-_name_grpo = _name_served_or_not(_grpo_unserved, _GRPO_SERVED)
+def _completion_rows(hidden: torch.Tensor, scored: torch.Tensor, scale: float) -> tuple[torch.Tensor, bool]:
+    """The hidden rows TRL's fused forward hands its head, as (B, T, H) at the B x T positions of ``scored`` (the
+    shifted labels' mask over the last T positions of each sequence), times ``scale`` (a logit scale: the same
+    logits, the head being linear), and whether TRL gave them compact. TRL scores, after the shift, on Triton's
+    devices only the labelled positions (compact), elsewhere every one (B x P rows, P >= T: a prompt-learning
+    adapter's virtual tokens come first)."""
+    n_sequences, width = scored.shape
+    compact = _trl_utils()._use_triton(hidden.device)
+    if compact:
+        rows = hidden.new_zeros(n_sequences, width, hidden.shape[-1]).masked_scatter(scored[..., None], hidden)
+    else:
+        rows = hidden.reshape(n_sequences, -1, hidden.shape[-1])[:, -width:]
+    return (rows if scale == 1 else rows * scale), compact
+
+
+def _head_layout(
+    values: dict[str, torch.Tensor], scored: torch.Tensor, compact: bool, n_rows: int
+) -> tuple[torch.Tensor | None, ...]:
+    """TRL's head's five outputs (log-probs, then :data:`~liger_lab.formulas.HEAD_OUTPUTS`; None for those not in
+    ``values``) for the ``n_rows`` rows of :func:`_completion_rows`, from per-token ``values`` (B, T) by name: the
+    scored positions' alone, or every position's (0 before the last T)."""
+
+    def laid_out(per_token: torch.Tensor | None) -> torch.Tensor | None:
+        if per_token is None:
+            return None
+        if compact:
+            return per_token[scored]
+        every = per_token.new_zeros(scored.shape[0], n_rows // scored.shape[0])
+        every[:, -scored.shape[1] :] = per_token
+        return every.reshape(-1)
+
+    return tuple(laid_out(values.get(name)) for name in ("log_probs", *HEAD_OUTPUTS))
 
 
 @dataclass
-class _GRPOCall:
-    """One ``GRPOTrainer._compute_loss`` under the patch: what :meth:`serve` needs of the trainer and the micro-batch,
-    and the fused loss it made (None until then)."""
+class _ServedCall:
+    """One call of the loss method (:attr:`loss_method`) of a trainer whose loss a fused loss serves, under the patch:
+    what the fused loss needs of the trainer and the micro-batch, and the loss it made (None until then). One
+    subclass per trainer."""
 
     trainer: object
     inputs: dict[str, torch.Tensor]
     loss: torch.Tensor | None = None
+
+    trainer_path: ClassVar[str]
+    """The trainer, as :func:`_trainer_class` finds it."""
+    fused_loss: ClassVar[str]
+    """The liger_lab function that serves it."""
+    own_methods: ClassVar[tuple[str, ...]]
+    """TRL's methods whose work :meth:`serve` does: a subclass with its own is not served."""
+    loss_method: ClassVar[str] = "_compute_loss"
+    """The trainer's method that computes the loss of a micro-batch, which :func:`_served_loss` wraps."""
+
+    @classmethod
+    def served_as(cls) -> str:
+        """patch_report's line for a trainer served."""
+        return f"{cls.trainer_path.rpartition('.')[2]}'s loss ({cls.fused_loss})"
+
+    @classmethod
+    def unserved(cls, trainer: object) -> str | None:
+        """Why the trainer's loss stays TRL's (liger_lab's head, TRL's loss on its values), or None."""
+        for name in cls.own_methods:
+            if getattr(type(trainer), name) is not getattr(_trainer_class(cls.trainer_path), name):
+                return f"{type(trainer).__name__} has its own {name}"
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if getattr(model.get_output_embeddings(), "bias", None) is not None:
+            return f"its lm_head has a bias, which {cls.fused_loss} does not take"
+        if getattr(model.config.get_text_config(), "final_logit_softcapping", None) is not None:
+            return f"its logits are soft-capped (final_logit_softcapping), which {cls.fused_loss} does not do"
+        return cls.options_unserved(trainer)
+
+    @staticmethod
+    def options_unserved(trainer: object) -> str | None:
+        """Why the trainer's options are not the fused loss's, or None."""
+        return None
+
+    @classmethod
+    def start(cls, trainer: object, inputs: dict[str, torch.Tensor]) -> _ServedCall:
+        """The call for one micro-batch, made before TRL's loss method runs and before the head serves it."""
+        return cls(trainer, inputs)
+
+    @contextlib.contextmanager
+    def around_trl(self) -> Iterator[None]:
+        """Held while TRL's loss method runs on :attr:`inputs`."""
+        yield
+
+    @property
+    def scale(self) -> float:
+        """What TRL's loss is to the fused loss."""
+        return 1.0
+
+    def keep(self, loss: torch.Tensor) -> None:
+        """Keep the fused loss of the micro-batch, a call the head counts."""
+        if self.loss is not None:  # the micro-batch's rows came in two calls: the loss of one would be wrong
+            name = type(self.trainer).__name__
+            raise RuntimeError(f"liger_lab.patch_trl: {name}'s policy head was called twice in one {self.loss_method}")
+        self.loss = loss
+        _trl_utils()._ChunkedLogProbFunction.calls += 1
+
+    def serve(
+        self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The policy's head call (``hidden`` the rows TRL's fused forward scores, of one dtype with ``weight``):
+        :meth:`keep` the fused loss and return TRL's head's five outputs for those rows, without gradient (None for
+        those the trainer does not read)."""
+        raise NotImplementedError
+
+
+def _served_loss(call_type: type[_ServedCall]) -> tuple[Callable[[object], None], Callable[[Callable], Callable]]:
+    """(what names the trainer served or not, once; the maker of its loss method, ``call_type.loss_method``): TRL's
+    own, run with ``call_type``'s work in place (the policy's head call served), or TRL's own alone where
+    ``call_type.unserved`` finds a reason."""
+    named = _name_served_or_not(call_type.unserved, call_type.served_as())
+
+    def make(trl_compute_loss: Callable) -> Callable:
+        def loss_method(self, model, inputs, *args, **kwargs):
+            named(self)
+            head = _trl_utils()._ChunkedLogProbFunction
+            if not isinstance(head, LigerLabHead) or call_type.unserved(self) is not None:
+                return trl_compute_loss(self, model, inputs, *args, **kwargs)
+            call = call_type.start(self, inputs)
+            head.served = call
+            try:
+                with call.around_trl():
+                    result = trl_compute_loss(self, model, call.inputs, *args, **kwargs)
+            finally:
+                head.served = None
+            if call.loss is None:  # the head was given a bias or a soft cap after all: TRL's loss on our head's values
+                return result
+            loss, *outputs = result if isinstance(result, tuple) else (result,)
+            loss = loss + call.scale * (call.loss - call.loss.detach())
+            return (loss, *outputs) if outputs else loss
+
+        return loss_method
+
+    return named, make
+
+
+# ---------------------------------------------------------------------------------------------------
+# GRPOTrainer: its loss on fused_linear_grpo.
+
+_NORMALIZED_BY_ITEMS = ("cispo", "dapo", "vespo")
+"""GRPO's loss types whose loss TRL divides by ``num_items_in_batch`` (the others: by their own counts)."""
+
+
+@dataclass
+class _GRPOCall(_ServedCall):
+    """One ``GRPOTrainer._compute_loss``: the policy's log-probs and entropies from :func:`fused_linear_grpo`, with
+    TRL's options (``GRPOConfig`` and the micro-batch). Served except for ``off_policy_mask_threshold`` (TRL
+    compares with vLLM's sampling log-probs) and ``top_entropy_quantile`` < 1 on several processes."""
+
+    trainer_path = "trl.GRPOTrainer"
+    fused_loss = "fused_linear_grpo"
+    own_methods = ("_compute_loss", "_get_per_token_logps_and_entropies")
+
+    @staticmethod
+    def options_unserved(trainer: object) -> str | None:
+        if trainer.off_policy_mask_threshold is not None:
+            return (
+                "off_policy_mask_threshold: TRL's mask compares the policy with vLLM's sampling log-probs, or with "
+                "itself without old log-probs, where fused_linear_grpo compares it with old_logps"
+            )
+        if trainer.top_entropy_quantile < 1 and trainer.accelerator.num_processes > 1:
+            return "top_entropy_quantile < 1 on several processes: TRL's quantile is over the tokens of every process"
+        return None
 
     @property
     def training(self) -> bool:
@@ -486,9 +644,9 @@ class _GRPOCall:
 
     @property
     def scale(self) -> float:
-        """What TRL's loss is to fused_linear_grpo's: 1 / the gradient accumulation steps (training), and for the
-        loss types over ``num_items_in_batch`` (a count over the generation batch of every process) the processes
-        times the generation's steps over the accumulation's."""
+        """1 / the gradient accumulation steps (training), and for the loss types over ``num_items_in_batch`` (a
+        count over the generation batch of every process) the processes times the generation's steps over the
+        accumulation's."""
         trainer = self.trainer
         accumulation = trainer.current_gradient_accumulation_steps if self.training else 1
         if trainer.loss_type not in _NORMALIZED_BY_ITEMS:
@@ -523,62 +681,289 @@ class _GRPOCall:
 
     def serve(
         self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The policy's head call in TRL's layout (``hidden`` the rows TRL's fused forward scores, of one dtype with
-        ``weight``): keeps fused_linear_grpo's loss and returns its log-probs and entropies for those rows, without
-        gradient, for TRL's metrics. TRL scores, after the shift, the last (completion) columns of B x (L - 1)
-        positions: on Triton's devices only the labelled ones (the completion mask's), elsewhere every one."""
-        if self.loss is not None:  # the micro-batch's rows came in two calls: the loss of one would be wrong
-            raise RuntimeError("liger_lab.patch_trl: GRPOTrainer's policy head was called twice in one _compute_loss")
+    ) -> tuple[torch.Tensor | None, ...]:
         inputs = self.inputs
         completion = inputs["completion_mask"].bool()
-        n_sequences, width = completion.shape
         keep = completion if "tool_mask" not in inputs else completion & inputs["tool_mask"].bool()
-        positions = inputs["prompt_ids"].shape[1] + width - 1
-        compact = _trl_utils()._use_triton(hidden.device)
-        if compact:
-            rows = hidden.new_zeros(n_sequences, width, hidden.shape[-1])
-            rows = rows.masked_scatter(completion[..., None], hidden)
-        else:
-            rows = hidden.reshape(n_sequences, positions, hidden.shape[-1])[:, -width:]
-        if logit_scale != 1:  # the same logits: the head is linear
-            rows = rows * logit_scale
+        rows, compact = _completion_rows(hidden, completion, logit_scale)
         target = inputs["completion_ids"].masked_fill(~keep, -100)
-        self.loss, log_probs, entropy = fused_linear_grpo(
+        loss, log_probs, entropy = fused_linear_grpo(
             rows, weight, target, inputs["advantages"], temperature=temperature, per_token=True, **self.options()
         )
-        if compact:
-            return log_probs[completion], entropy[completion]
-        every = []
-        for values in (log_probs, entropy):
-            full = values.new_zeros(n_sequences, positions)
-            full[:, -width:] = values
-            every.append(full.reshape(-1))
-        return every[0], every[1]
+        self.keep(loss)
+        return _head_layout({"log_probs": log_probs, "entropy": entropy}, completion, compact, hidden.shape[0])
 
 
-def _served_grpo_loss(trl_compute_loss: Callable) -> Callable:
-    """``GRPOTrainer._compute_loss`` with the policy's head call served by :meth:`_GRPOCall.serve`: TRL's own code
-    then runs on fused_linear_grpo's log-probs and entropies, which carry no gradient, and logs its metrics from
-    them as it does; the loss it returns keeps TRL's value (its terms outside the policy loss, the MoE load
-    balancing, included) and takes the fused loss's gradient, scaled as TRL scales its loss. TRL's own where
-    :func:`_grpo_unserved` finds a reason, named once."""
+# ---------------------------------------------------------------------------------------------------
+# DPOTrainer and KTOTrainer: their losses on fused_linear_dpo and fused_linear_kto.
 
-    def _compute_loss(self, model, inputs):
-        _name_grpo(self)
-        head = _trl_utils()._ChunkedLogProbFunction
-        if not isinstance(head, LigerLabHead) or _grpo_unserved(self) is not None:
-            return trl_compute_loss(self, model, inputs)
-        call = head.grpo = _GRPOCall(self, inputs)
+
+@dataclass
+class _PreferenceCall(_ServedCall):
+    """A ``_compute_loss`` of DPOTrainer or KTOTrainer: the policy's log-probs and the statistics the trainer logs
+    from the fused loss, over the completion tokens of each sequence.
+
+    The fused loss makes its gradient in the forward, so it needs the reference's log-probs before the policy's head
+    is called, where TRL computes them after. :meth:`start` computes them first, with TRL's own
+    ``compute_ref_log_probs`` (the reference model, or a PEFT policy with its adapter off; what TRL's precomputation
+    calls), and TRL's ``_compute_loss`` reads them as it reads precomputed ones (``precompute_ref_log_probs``): the
+    same numbers, in another order. Not served where that order shows: with dropout on (``disable_dropout=False``),
+    the reference's forward moved first would draw other masks."""
+
+    own_methods = ("_compute_loss", "compute_ref_log_probs")
+    token_outputs: ClassVar[tuple[str, ...]]
+    """What the trainer reads of its policy's head call: the log-probs, and the statistics it logs."""
+
+    @classmethod
+    def options_unserved(cls, trainer: object) -> str | None:
+        why = cls.loss_options_unserved(trainer)
+        if why is None and not trainer.precompute_ref_logps and not trainer.args.disable_dropout:
+            why = ("disable_dropout=False: the reference's log-probs are computed before the policy's forward here "
+                   "(after it in TRL), so dropout would draw other masks")  # fmt: skip
+        return why
+
+    @staticmethod
+    def loss_options_unserved(trainer: object) -> str | None:
+        """Why the trainer's loss options are not the fused loss's, or None."""
+        return None
+
+    @staticmethod
+    def reference_inputs(computed: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
+        """What ``compute_ref_log_probs`` returned, under the keys of the micro-batch TRL reads precomputed
+        reference log-probs from."""
+        raise NotImplementedError
+
+    @classmethod
+    def start(cls, trainer: object, inputs: dict[str, torch.Tensor]) -> _PreferenceCall:
+        if trainer.precompute_ref_logps:
+            return cls(trainer, inputs)
+        # A PEFT policy is its own reference, its adapter off (compute_ref_log_probs switches it, as TRL's loss does)
+        reference = trainer.ref_model if trainer.ref_model is not None else trainer.model
+        return cls(trainer, {**inputs, **cls.reference_inputs(trainer.compute_ref_log_probs(reference, inputs))})
+
+    @contextlib.contextmanager
+    def around_trl(self) -> Iterator[None]:
+        """TRL reads the reference's log-probs from the micro-batch, where :meth:`start` put them."""
+        trainer, precomputed = self.trainer, self.trainer.precompute_ref_logps
+        trainer.precompute_ref_logps = True
         try:
-            loss = trl_compute_loss(self, model, inputs)
+            yield
         finally:
-            head.grpo = None
-        if call.loss is None:  # the head was given a bias or a soft cap after all: TRL's loss on our head's log-probs
-            return loss
-        return loss + call.scale * (call.loss - call.loss.detach())
+            trainer.precompute_ref_logps = precomputed
 
-    return _compute_loss
+    def fused(
+        self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float,
+        loss: Callable[..., tuple[torch.Tensor, ...]], **options: object,
+    ) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+        """:meth:`serve` by the fused ``loss`` with ``options``, on the completion tokens of the micro-batch's
+        sequences (the labels TRL's forward scores: the input ids after the shift, where the completion mask is)."""
+        scored = self.inputs["completion_mask"][:, 1:].bool()
+        rows, compact = _completion_rows(hidden, scored, logit_scale / temperature)
+        target = self.inputs["input_ids"][:, 1:].masked_fill(~scored, -100)
+        value, *per_token = loss(rows, weight, target, token_outputs=self.token_outputs, **options)
+        self.keep(value)
+        return _head_layout(dict(zip(self.token_outputs, per_token, strict=True)), scored, compact, hidden.shape[0])
+
+
+_DPO_LOSS_TYPES = ("sigmoid", "hinge", "robust")
+"""DPO's loss types fused_linear_dpo computes as TRL does (its "ipo" divides by counts of other positions)."""
+
+
+@dataclass
+class _DPOCall(_PreferenceCall):
+    """One ``DPOTrainer._compute_loss`` on :func:`fused_linear_dpo`, with TRL's beta, loss type, label smoothing and
+    loss weight; the entropy, mean logit and token accuracy DPO logs from the same pass."""
+
+    trainer_path = "trl.DPOTrainer"
+    fused_loss = "fused_linear_dpo"
+    token_outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
+
+    @staticmethod
+    def loss_options_unserved(trainer: object) -> str | None:
+        loss_types = tuple(trainer.loss_types)
+        if len(loss_types) != 1:
+            return f"loss_type {list(loss_types)}: fused_linear_dpo computes one loss type"
+        if loss_types[0] == "ipo":
+            return ("loss_type 'ipo': TRL divides IPO's log-ratios by the completion mask's counts before the shift, "
+                    "which fused_linear_dpo does not take")  # fmt: skip
+        if loss_types[0] not in _DPO_LOSS_TYPES:
+            return f"loss_type {loss_types[0]!r}: fused_linear_dpo computes {', '.join(_DPO_LOSS_TYPES)} and ipo"
+        if trainer.f_divergence_type != "reverse_kl":
+            return f"f_divergence_type {trainer.f_divergence_type!r}: fused_linear_dpo scores log-ratios (reverse_kl)"
+        if trainer.ld_alpha is not None:
+            return "ld_alpha: fused_linear_dpo sums every completion token's log-probability alike"
+        if trainer.use_weighting:
+            return "use_weighting: fused_linear_dpo weighs every pair alike"
+        return None
+
+    @staticmethod
+    def reference_inputs(computed: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
+        chosen, rejected = computed
+        return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+
+    @property
+    def scale(self) -> float:
+        return self.trainer.loss_weights[0]  # TRL's loss: the mean over pairs times the loss type's weight
+
+    def serve(
+        self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float
+    ) -> tuple[torch.Tensor | None, ...]:
+        trainer, inputs = self.trainer, self.inputs
+        loss_type = trainer.loss_types[0]
+        return self.fused(
+            hidden, weight, temperature, logit_scale, fused_linear_dpo, beta=trainer.beta, loss_type=loss_type,
+            ref_logps=torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]),
+            label_smoothing=trainer.label_smoothing if loss_type == "robust" else 0.0,  # read by "robust" alone
+        )  # fmt: skip
+
+
+@dataclass
+class _KTOCall(_PreferenceCall):
+    """One ``KTOTrainer._compute_loss`` on :func:`fused_linear_kto`, with TRL's beta, loss type, desirable and
+    undesirable weights, and its KL estimate; the entropy and mean logit KTO logs from the same pass.
+
+    TRL scores the KL completions with the policy before its main forward (``_compute_kl_logps``, without gradient,
+    on liger_lab's RL head here): :meth:`around_trl` keeps what that returns, and :meth:`serve` makes TRL's estimate
+    from it and the reference's, as TRL's ``_compute_loss`` then does (their mean difference, over every process,
+    clamped at 0)."""
+
+    trainer_path = "trl.KTOTrainer"
+    fused_loss = "fused_linear_kto"
+    own_methods = ("_compute_loss", "compute_ref_log_probs", "_compute_kl_logps")
+    token_outputs = ("log_probs", "entropy", "mean_logits")
+    kl_logps: torch.Tensor | None = None
+    """The policy's log-probability of each KL completion (with ``calculate_KL``)."""
+
+    @staticmethod
+    def loss_options_unserved(trainer: object) -> str | None:
+        if trainer._is_vision_dataset:
+            return ("a vision dataset: TRL's compute_ref_log_probs, which computes the reference's log-probs first "
+                    "here, does not pass the images")  # fmt: skip
+        return None
+
+    @staticmethod
+    def reference_inputs(computed: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
+        completions, kl_completions = computed
+        return {"ref_logps": completions, **({} if kl_completions is None else {"ref_KL_logps": kl_completions})}
+
+    @contextlib.contextmanager
+    def around_trl(self) -> Iterator[None]:
+        trainer, head = self.trainer, _trl_utils()._ChunkedLogProbFunction
+        kl_logps = trainer._compute_kl_logps
+
+        def kept(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+            head.served = None  # a head call for the KL completions: the RL head's, as TRL's head's
+            try:
+                self.kl_logps = kl_logps(model, batch)
+            finally:
+                head.served = self
+            return self.kl_logps
+
+        trainer._compute_kl_logps = kept
+        try:
+            with super().around_trl():
+                yield
+        finally:
+            del trainer._compute_kl_logps
+
+    def serve(
+        self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logit_scale: float
+    ) -> tuple[torch.Tensor | None, ...]:
+        trainer, inputs = self.trainer, self.inputs
+        kl = None
+        if trainer.calculate_KL:
+            kl = (self.kl_logps - inputs["ref_KL_logps"].to(self.kl_logps.device)).mean().detach()
+            kl = trainer.accelerator.gather_for_metrics(kl).mean().clamp(min=0)
+        label = torch.as_tensor(inputs["label"], dtype=torch.bool, device=hidden.device)
+        return self.fused(
+            hidden, weight, temperature, logit_scale, fused_linear_kto, label=label,
+            ref_logps=inputs["ref_logps"].to(hidden.device), kl=kl, beta=trainer.beta, loss_type=trainer.loss_type,
+            desirable_weight=trainer.desirable_weight, undesirable_weight=trainer.undesirable_weight,
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# The experimental CPOTrainer: its loss, from the full logits, on fused_linear_cpo from the last hidden states.
+
+
+@dataclass
+class _CPOCall(_ServedCall):
+    """One ``CPOTrainer.get_batch_loss_metrics`` on :func:`fused_linear_cpo`, with TRL's beta, loss type, label
+    smoothing, ``cpo_alpha``, ``simpo_gamma`` and AlphaPO's ``alpha``.
+
+    TRL's ``concatenated_forward`` asks the model for the logits of the chosen and rejected sequences and returns
+    their scores, the logits themselves and the NLL; TRL's code builds the loss and its metrics from them. While
+    the call runs, :meth:`concatenated_forward` stands in for it: the backbone's last hidden states and the head
+    weight make the loss and its gradient (three matmuls, the logits never held), with the scores and the chosen
+    tokens' log-probs (for the NLL) from the same pass. TRL reads the logits only for their mean (its
+    ``logits/chosen`` and ``logits/rejected``): a linear head's mean logit at a position is its hidden state times
+    the weight's mean row, so that mean, over every position as TRL takes it, stands in for them (a one-element
+    tensor). Not served: an encoder-decoder model, a Mixture-of-Experts model's router loss (from the model's own
+    forward), and heads whose product with the last hidden states is not the logits (:func:`_plain_head`)."""
+
+    trainer_path = "trl.experimental.cpo.CPOTrainer"
+    fused_loss = "fused_linear_cpo"
+    own_methods = ("get_batch_loss_metrics", "concatenated_forward", "concatenated_inputs", "cpo_loss")
+    loss_method = "get_batch_loss_metrics"
+
+    @staticmethod
+    def options_unserved(trainer: object) -> str | None:
+        if trainer.is_encoder_decoder:
+            return "an encoder-decoder model"
+        if trainer.aux_loss_enabled:
+            return "output_router_logits: the router's loss comes from the model's own forward"
+        head = _plain_head(trainer.accelerator.unwrap_model(trainer.model))
+        return head if isinstance(head, str) else None
+
+    @contextlib.contextmanager
+    def around_trl(self) -> Iterator[None]:
+        self.trainer.concatenated_forward = self.concatenated_forward
+        try:
+            yield
+        finally:
+            del self.trainer.concatenated_forward
+
+    def concatenated_forward(
+        self, model: nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What TRL's ``concatenated_forward`` returns (chosen and rejected scores, the logits' stand-ins, the NLL),
+        without gradient, the fused loss kept."""
+        trainer = self.trainer
+        sequences = trainer.concatenated_inputs(batch, padding_value=trainer.pad_token_id,
+                                                device=trainer.accelerator.device)  # fmt: skip
+        inputs = {"input_ids": sequences["concatenated_input_ids"],
+                  "attention_mask": sequences["concatenated_attention_mask"]}  # fmt: skip
+        policy = trainer.accelerator.unwrap_model(model)
+        return _through(model, policy, self.fused, policy, inputs, sequences["concatenated_labels"])
+
+    def fused(
+        self, policy: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        trainer = self.trainer
+        with trainer.accelerator.autocast():
+            hidden = _last_hidden_state(policy, inputs)
+            dtype = _compute_dtype(hidden)
+        weight = _plain_head(policy).weight.to(dtype)
+        loss_type, with_nll = trainer.loss_type, trainer.cpo_alpha != 0
+        with torch.autocast(hidden.device.type, enabled=False):
+            loss, chosen, rejected, *logps = fused_linear_cpo(
+                hidden[:, :-1].to(dtype), weight, labels[:, 1:], beta=trainer.beta, loss_type=loss_type,
+                label_smoothing=trainer.label_smoothing if loss_type in ("sigmoid", "simpo") else 0.0,
+                cpo_alpha=trainer.cpo_alpha, simpo_gamma=trainer.args.simpo_gamma, alpha=trainer.alpha,
+                return_logps=True, token_outputs=("log_probs",) if with_nll else (),
+            )  # fmt: skip
+            self.keep(loss)
+            n_chosen = chosen.shape[0]
+            nll = torch.zeros((), device=hidden.device)
+            if with_nll:  # TRL's cross-entropy: the mean over the chosen sequences' kept tokens (logp 0 elsewhere)
+                nll = -logps[0][:n_chosen].sum() / (labels[:n_chosen, 1:] != -100).sum()
+            mean_row = weight.detach().float().mean(0)  # TRL's mean of the logits, over every position
+            means = [(part.detach().float() @ mean_row).mean().view(1) for part in hidden.split(n_chosen)]
+        return chosen, rejected, *means, nll
+
+
+_SERVED_LOSSES = {call_type: _served_loss(call_type) for call_type in (_GRPOCall, _DPOCall, _KTOCall, _CPOCall)}
+"""Each served trainer's call -> (what names it served or not, the maker of its loss method)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -632,11 +1017,9 @@ def _replacements() -> list[tuple[object, str, Callable[[Callable], Callable]]]:
     if _trainer_class(_DISTILLATION) is not None:
         made.append((importlib.import_module("trl.trainer.distillation_trainer"), "_chunked_divergence_loss",
                      _served_divergence))  # fmt: skip
-    grpo = _trainer_class(_GRPO)
-    made += [
-        (grpo, "__init__", _after_init(_name_grpo)),
-        (grpo, "_compute_loss", _served_grpo_loss),
-    ]
+    for call_type, (named, served) in _SERVED_LOSSES.items():
+        trainer = _trainer_class(call_type.trainer_path)
+        made += [(trainer, "__init__", _after_init(named)), (trainer, call_type.loss_method, served)]
     gkd = _name_served_or_not(_gkd_unserved, "GKDTrainer's generalized JSD (fused_linear_jsd)")
     made += [
         (_trainer_class(_GKD), "__init__", _after_init(gkd)),

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LargestNewTensor, check_op, randn, row_strided
+from helpers import LargestNewTensor, OpCalls, check_op, randn, row_strided
 
 import liger_lab
 from liger_lab import formulas, reference, runtime
@@ -238,6 +238,34 @@ def test_return_logps_gives_the_trainers_sequence_scores(loss):
     assert hidden.grad is not None and weight.grad is not None
 
 
+@pytest.mark.parametrize("n_pairs", [3, 1])
+def test_token_outputs_come_from_the_loss_s_own_pass(n_pairs):
+    """The per-token values a TRL trainer logs (``token_outputs``), in the caller's row order whether the pairs are
+    gathered into pair order (3 pairs, chunks of 2) or not (1 pair): fused_linear_logprobs' values on the same head,
+    without gradient. The loss, the scores and the gradients are the default call's to rounding (the tokens are
+    then scored by the RL head's kernels), and the operator passes opcheck with its per-token outputs."""
+    tensors = inputs("dpo", n_pairs=n_pairs, empty=(1,) if n_pairs > 1 else ())
+    hidden, weight, target = tensors[:3]
+    hidden.requires_grad_(), weight.requires_grad_()
+    names = ("is_top1", "log_probs", "mean_logits", "entropy", "log_sum_sq_probs")
+    with OpCalls(keep_args=True) as calls:
+        loss, *results = ours("dpo")(*tensors, return_logps=True, chunk_pairs=2, token_outputs=names)
+    expected_loss, *expected_scores = ours("dpo")(*tensors, return_logps=True, chunk_pairs=2)
+    grads, expected_grads = (torch.autograd.grad(value, (hidden, weight)) for value in (loss, expected_loss))
+    for mine, expected in zip((loss, *results[:4], *grads), (expected_loss, *expected_scores, *expected_grads),
+                              strict=True):  # fmt: skip
+        torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-6)
+    others = (*names[2:], "is_top1")
+    logp, *extras = liger_lab.fused_linear_logprobs(hidden.detach(), weight.detach(), target, outputs=others)
+    head = {"log_probs": logp, **dict(zip(others, extras, strict=True))}
+    for name, values in zip(names, results[4:], strict=True):
+        assert values.shape == target.shape and not values.requires_grad, name
+        torch.testing.assert_close(values, head[name], rtol=0, atol=0)
+    if n_pairs == 1:  # the schema and the fake do not depend on the rows' order: one opcheck is enough
+        (call,) = [call for call in calls.recorded if call.name == "fused_linear_preference"]
+        torch.library.opcheck(call.op, call.args, call.kwargs)
+
+
 # --------------------------------------------------------------------------------------------------
 # The references against TRL's definitions (an independent transcription, float64, no empty sequence).
 
@@ -341,8 +369,8 @@ def test_no_tensor_holds_the_logits_of_every_pair(loss):
     hidden, weight, target, *refs = inputs(loss, n_pairs=n_pairs, seq_len=seq_len, hidden=8, vocab=vocab)
     refs = refs or [None, None]
     options = formulas.PreferenceOptions(loss, beta=0.1, gamma=0.5, nll_weight=float(loss == "orpo"))
-    args = (hidden, weight, target, *refs, None, None, None, None, *options.arguments(), -100, 2, "fp32",
-            [True, True, False])  # fmt: skip
+    args = (hidden, weight, target, *refs, None, None, None, None, *options.arguments(), -100, 2, False, [False] * 4,
+            "fp32", [True, True, False])  # fmt: skip
     outputs = operators.allocate_outputs(preference._forward, preference.FUSED_LINEAR_PREFERENCE_OUTPUTS, args)
     with LargestNewTensor() as mode:  # the operator's work itself (a mode sees an operator's call, not inside it)
         preference._forward(*args, *outputs)
@@ -396,6 +424,8 @@ def _zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         ("orpo", lambda h, w, t: (h, w, t), {"nll_target": _zeros(B, T + 1, dtype=torch.long)}, "nll_target has"),
         ("orpo", lambda h, w, t: (h, w, t), {"nll_target": _zeros(B, T)}, "nll_target has dtype"),
         ("orpo", lambda h, w, t: (h, w, t), {"nll_target": _zeros(B, T, dtype=torch.long) + V}, "out of range"),
+        ("simpo", lambda h, w, t: (h, w, t), {"token_outputs": ("logits",)}, "token_outputs names 'logits'"),
+        ("simpo", lambda h, w, t: (h, w, t), {"token_outputs": "entropy"}, "expected a tuple"),
     ],
 )
 def test_bad_input_is_a_value_error(loss, make, options, message):

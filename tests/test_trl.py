@@ -54,21 +54,29 @@ def _trainer(kind: str, model_dir: str, output_dir: str, model=None, **options):
         output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2, report_to=[], logging_steps=1,
         use_cpu=True, save_strategy="no", learning_rate=1e-3, bf16=False, seed=0,
     )  # fmt: skip
-    if kind not in ("grpo", "rloo") and options:
-        raise ValueError(f"options {options} are for GRPO and RLOO")
+    if kind == "sft" and options:
+        raise ValueError(f"options {options} are for the other trainers")
     prompts = [_text(i, 3) for i in range(8)]
     model_dir = model_dir if model is None else model
     if kind == "sft":
         data = datasets.Dataset.from_dict({"text": [_text(i, 6) for i in range(8)]})
         return trl.SFTTrainer(model_dir, args=trl.SFTConfig(**common), train_dataset=data, processing_class=tokenizer)
-    if kind == "dpo":
+    if kind in ("dpo", "cpo"):
         columns = {"prompt": prompts, "chosen": [_text(i + 1, 4) for i in range(8)]}
         data = datasets.Dataset.from_dict({**columns, "rejected": [_text(i + 2, 3) for i in range(8)]})
-        return trl.DPOTrainer(model_dir, args=trl.DPOConfig(**common), train_dataset=data, processing_class=tokenizer)
+        if kind == "dpo":
+            args = trl.DPOConfig(**{**common, **options})
+            return trl.DPOTrainer(model_dir, args=args, train_dataset=data, processing_class=tokenizer)
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        policy = transformers.AutoModelForCausalLM.from_pretrained(model_dir) if model is None else model
+        args = CPOConfig(**{**common, **options})
+        return CPOTrainer(policy, args=args, train_dataset=data, processing_class=tokenizer)
     if kind == "kto":
         columns = {"prompt": prompts, "completion": [_text(i + 1, 4) for i in range(8)]}
         data = datasets.Dataset.from_dict({**columns, "label": [i % 2 == 0 for i in range(8)]})
-        return trl.KTOTrainer(model_dir, args=trl.KTOConfig(**common), train_dataset=data, processing_class=tokenizer)
+        args = trl.KTOConfig(**{**common, **options})
+        return trl.KTOTrainer(model_dir, args=args, train_dataset=data, processing_class=tokenizer)
     config, trainer = {"grpo": (trl.GRPOConfig, trl.GRPOTrainer), "rloo": (trl.RLOOConfig, trl.RLOOTrainer)}[kind]
     args = config(**{**common, "num_generations": 2, "max_completion_length": 4, "beta": 0.04, **options})
     data = datasets.Dataset.from_dict({"prompt": prompts})
@@ -100,7 +108,7 @@ METRIC_TOL = 1e-4
 UNCOMPARED = {"step_time", "learning_rate", "epoch", "train_runtime"}
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo", "rloo"])
+@pytest.mark.parametrize("kind", ["sft", "grpo", "rloo"])  # DPO and KTO: test_preference_loss_runs_on_its_fused_loss
 def test_trainer_runs_on_liger_lab_head_like_on_trl_s_own(kind, tiny_model_dir, tmp_path):
     theirs, _, _ = _train(kind, tiny_model_dir, str(tmp_path / "trl"), patched=False)
     ours, head, messages = _train(kind, tiny_model_dir, str(tmp_path / "liger_lab"), patched=True)
@@ -110,7 +118,7 @@ def test_trainer_runs_on_liger_lab_head_like_on_trl_s_own(kind, tiny_model_dir, 
         assert our_row.keys() == their_row.keys()
         for name in our_row.keys() - UNCOMPARED:
             assert math.isclose(our_row[name], their_row[name], rel_tol=METRIC_TOL, abs_tol=METRIC_TOL), (step, name)
-    # SFT logs the token accuracy and KTO the mean logit: liger_lab's head computes those too, with nothing to say.
+    # SFT logs the token accuracy: liger_lab's head computes it too, with nothing to say.
     assert messages == [], messages
 
 
@@ -122,12 +130,20 @@ def _assert_same_logs(ours, theirs, tol):
             assert math.isclose(our_row[name], their_row[name], rel_tol=tol, abs_tol=tol), (step, name)
 
 
+FUSED_LOSSES = ("fused_linear_grpo", "fused_linear_dpo", "fused_linear_kto", "fused_linear_cpo")
+
+
+def _served_by(loss: str | None, calls: int) -> dict[str, int]:
+    """The fused losses' calls: ``calls`` of ``loss``, none of the others."""
+    return {name: calls if name == loss else 0 for name in FUSED_LOSSES}
+
+
 @pytest.fixture
 def head_calls(monkeypatch):
-    """Calls of TRL's own head, of liger_lab's RL head in patch_trl's head, and of fused_linear_grpo there."""
+    """Calls of TRL's own head, of liger_lab's RL head in patch_trl's head, and of the fused losses there."""
     from trl.kernels import ChunkedLogProbFunction
 
-    calls = {"trl": 0, "rl_head": 0, "fused_linear_grpo": 0}
+    calls = {"trl": 0, "rl_head": 0, **dict.fromkeys(FUSED_LOSSES, 0)}
 
     def counted(key, function):
         def call(*args, **kwargs):
@@ -139,8 +155,30 @@ def head_calls(monkeypatch):
     trl_forward = ChunkedLogProbFunction.forward
     monkeypatch.setattr(ChunkedLogProbFunction, "forward", staticmethod(counted("trl", trl_forward)))
     monkeypatch.setattr(trl_head, "fused_linear_logprobs", counted("rl_head", trl_head.fused_linear_logprobs))
-    monkeypatch.setattr(trl_head, "fused_linear_grpo", counted("fused_linear_grpo", trl_head.fused_linear_grpo))
+    for loss in FUSED_LOSSES:
+        monkeypatch.setattr(trl_head, loss, counted(loss, getattr(trl_head, loss)))
     return calls
+
+
+def _served_both_ways(kind, model_dir, tmp_path, head_calls, **options):
+    """Train ``kind`` on TRL alone, then under patch_trl, and check that the fused loss served every micro-batch,
+    TRL's head none, liger_lab's RL head every other call TRL's head made in training (reference, old policy, KL
+    completions; precompute_ref_log_probs calls the head as the trainer is built, unpatched), and that every logged
+    number agrees to 1e-5. Returns our logged rows and those calls."""
+
+    def train(way: str, patched: bool):
+        trainer = _trainer(kind, model_dir, str(tmp_path / way), **options)
+        head_calls["trl"] = 0
+        return _run(trainer, patched=patched)
+
+    theirs, _, _ = train("trl", patched=False)
+    steps = STEPS * options.get("gradient_accumulation_steps", 1)
+    other_calls = head_calls["trl"] - (0 if kind == "cpo" else steps)  # CPO's TRL makes logits: no head call
+    ours, head, messages = train("liger_lab", patched=True)
+    assert head_calls == {"trl": 0, "rl_head": other_calls, **_served_by(f"fused_linear_{kind}", steps)}, head_calls
+    assert (head.calls, head.fallbacks, messages) == (steps + other_calls, 0, [])
+    _assert_same_logs(ours, theirs, tol=1e-5)
+    return ours, other_calls
 
 
 GRPO_OPTIONS = {
@@ -168,31 +206,84 @@ def test_grpo_runs_on_fused_linear_grpo_like_on_trl_s_own(config, tiny_model_dir
     if config == "compact_rows":
         monkeypatch.setattr("trl.trainer.utils._use_triton", lambda device: True)
     options = GRPO_OPTIONS[config]
-    theirs, _, _ = _train("grpo", tiny_model_dir, str(tmp_path / "trl"), patched=False, **options)
-    steps = STEPS * options.get("gradient_accumulation_steps", 1)
-    other_calls = head_calls["trl"] - steps  # the reference's and the old policy's log-probs
-    assert other_calls >= (STEPS if options.get("beta") else 0)
-    head_calls["trl"] = 0
-    ours, head, messages = _train("grpo", tiny_model_dir, str(tmp_path / "liger_lab"), patched=True, **options)
-    assert head_calls == {"trl": 0, "rl_head": other_calls, "fused_linear_grpo": steps}, head_calls
-    assert (head.calls, head.fallbacks, messages) == (steps + other_calls, 0, [])
-    _assert_same_logs(ours, theirs, tol=1e-5)
+    ours, other_calls = _served_both_ways("grpo", tiny_model_dir, tmp_path, head_calls, **options)
+    assert other_calls >= (STEPS if options.get("beta") else 0)  # the reference's and the old policy's log-probs
     assert any(row.get("clip_ratio/region_mean", 0) > 0 for row in ours) or config not in ("dapo_kl", "grpo_sequence")
 
 
-def test_a_grpo_option_not_served_keeps_trl_s_loss_and_is_named(tiny_model_dir, tmp_path, head_calls):
-    """off_policy_mask_threshold: TRL's mask compares with vLLM's sampling log-probs, which fused_linear_grpo does
-    not take, so GRPO's loss stays TRL's on liger_lab's head: one warning, one fallback, patch_report's line."""
-    options = {"off_policy_mask_threshold": 0.5, "beta": 0.0}
-    theirs, _, _ = _train("grpo", tiny_model_dir, str(tmp_path / "trl"), patched=False, **options)
+# Plain SGD, at a rate that moves the policy: AdamW's first steps move every weight by about its rate whatever the
+# gradient's size, so a gradient element near 0 whose sign rounds the other way (fused_linear_dpo sums in float64, TRL
+# in fp32) moves a weight by twice the rate, a difference beyond 1e-5 two steps later. SGD keeps rounding at rounding.
+SGD = {"optim": "sgd", "learning_rate": 0.5}
+PREFERENCE_OPTIONS = {
+    # The reference model's log-probs computed before the policy's forward (TRL computes them after it).
+    ("dpo", "sigmoid"): SGD,
+    # Another loss type and a loss weight; the reference's log-probs precomputed (precompute_ref_log_probs), over two
+    # accumulation steps; the rows TRL's fused forward scores on a GPU (only the completions').
+    ("dpo", "robust_precomputed_compact_rows"): {**SGD, "loss_type": ["robust"], "label_smoothing": 0.2,
+                                                 "loss_weights": [0.5], "precompute_ref_log_probs": True,
+                                                 "gradient_accumulation_steps": 2},
+    # The KL estimate from the policy's and the reference's log-probs of the KL completions; the two weights; the
+    # completions' rows alone.
+    ("kto", "kto_weighted_compact_rows"): {**SGD, "desirable_weight": 1.5, "undesirable_weight": 0.5},
+    # The experimental CPO, from the full logits in TRL: its NLL term, label smoothing and AlphaPO's reward shape.
+    ("cpo", "sigmoid_alpha"): {**SGD, "label_smoothing": 0.1, "alpha": 0.05},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "config"), PREFERENCE_OPTIONS)
+def test_preference_loss_runs_on_its_fused_loss_like_on_trl_s_own(
+    kind, config, tiny_model_dir, tmp_path, head_calls, monkeypatch
+):
+    """DPO's, KTO's and CPO's losses from fused_linear_dpo, fused_linear_kto and fused_linear_cpo on the policy's
+    hidden states, and the statistics they log (entropy, mean logits, DPO's token accuracy, CPO's NLL) from the same
+    pass: the policy's head runs 0 times (liger_lab's RL head serves the reference's log-probs and KTO's KL
+    completions, as many calls as TRL's head makes for them; CPO's TRL makes the logits, no head call), and every
+    logged number agrees with TRL alone to 1e-5."""
+    if "compact_rows" in config:
+        monkeypatch.setattr("trl.trainer.utils._use_triton", lambda device: True)
+    _served_both_ways(kind, tiny_model_dir, tmp_path, head_calls, **PREFERENCE_OPTIONS[kind, config])
+
+
+@pytest.mark.parametrize(
+    ("kind", "options", "why"),
+    [
+        # TRL's mask compares with vLLM's sampling log-probs, which fused_linear_grpo does not take.
+        ("grpo", {"off_policy_mask_threshold": 0.5, "beta": 0.0}, "off_policy_mask_threshold"),
+        # Two loss types summed (MPO's sigmoid + SFT): fused_linear_dpo computes one.
+        ("dpo", {**SGD, "loss_type": ["sigmoid", "sft"], "loss_weights": [0.8, 0.2]}, "fused_linear_dpo computes one"),
+    ],
+)
+def test_an_option_not_served_keeps_trl_s_loss_and_is_named(kind, options, why, tiny_model_dir, tmp_path, head_calls):
+    """The loss stays TRL's, on liger_lab's head (every head call is the RL head's): one warning, one fallback,
+    patch_report's line."""
+    theirs, _, _ = _train(kind, tiny_model_dir, str(tmp_path / "trl"), patched=False, **options)
+    trl_calls = head_calls["trl"]
     head_calls["trl"] = 0
-    trainer = _trainer("grpo", tiny_model_dir, str(tmp_path / "liger_lab"), **options)
+    trainer = _trainer(kind, tiny_model_dir, str(tmp_path / "liger_lab"), **options)
     ours, head, messages = _run(trainer, patched=True)
-    assert len(messages) == 1 and "off_policy_mask_threshold" in messages[0], messages
-    assert "GRPOTrainer's loss stays TRL's" in messages[0]
-    assert head.fallbacks == 1 and head_calls == {"trl": 0, "rl_head": STEPS, "fused_linear_grpo": 0}, head_calls
-    assert "off_policy_mask_threshold" in liger_lab.patch_report(trainer.model).left_alone["TRL trainer"]
+    assert len(messages) == 1 and why in messages[0], messages
+    assert f"{type(trainer).__name__}'s loss stays TRL's" in messages[0]
+    assert head.fallbacks == 1 and head_calls == {"trl": 0, "rl_head": trl_calls, **_served_by(None, 0)}, head_calls
+    assert why in liger_lab.patch_report(trainer.model).left_alone["TRL trainer"]
     _assert_same_logs(ours, theirs, tol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_dropout_with_the_reference_in_the_loop_is_named(kind, tiny_model_dir, tmp_path):
+    """disable_dropout=False: the reference's forward, moved before the policy's, would draw other dropout masks, so
+    the loss stays TRL's, named as the trainer is built (with the reference's log-probs precomputed it is served)."""
+    head = liger_lab.patch_trl()
+    try:
+        with pytest.warns(UserWarning, match="loss stays TRL's: disable_dropout=False"):
+            trainer = _trainer(kind, tiny_model_dir, str(tmp_path / "loop"), disable_dropout=False)
+        precomputed = _trainer(kind, tiny_model_dir, str(tmp_path / "precomputed"), disable_dropout=False,
+                               precompute_ref_log_probs=True)  # fmt: skip
+    finally:
+        liger_lab.unpatch_trl()
+    assert head.fallbacks == 1
+    assert "disable_dropout" in liger_lab.patch_report(trainer.model).left_alone["TRL trainer"]
+    assert liger_lab.patch_report(precomputed.model).replaced[f"{type(trainer).__name__}'s loss (fused_linear_{kind})"]
 
 
 def test_outputs_and_gradients_match_trl_s_head():
@@ -391,18 +482,18 @@ def test_an_option_not_served_keeps_trl_s_divergence_and_is_named(
 
 
 def test_a_trainer_whose_loss_is_not_served_is_named(tiny_model_dir, tmp_path):
-    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     student = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     liger_lab.patch(student)
     head = liger_lab.patch_trl()
     try:
-        args = CPOConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, bf16=False)
+        args = ORPOConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, bf16=False)
         prompts = [_text(i, 3) for i in range(4)]
         data = datasets.Dataset.from_dict({"prompt": prompts, "chosen": prompts, "rejected": prompts})
         tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
-        with pytest.warns(UserWarning, match="CPOTrainer's loss stays TRL's"):
-            trainer = CPOTrainer(student, args=args, train_dataset=data, processing_class=tokenizer)
+        with pytest.warns(UserWarning, match="ORPOTrainer's loss stays TRL's"):
+            trainer = ORPOTrainer(student, args=args, train_dataset=data, processing_class=tokenizer)
     finally:
         liger_lab.unpatch_trl()
     assert head.fallbacks == 1

@@ -456,8 +456,9 @@ def _per_token(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return hidden.new_empty(target.shape, dtype=torch.float32)
 
 
-def _wanted(index: int, dtype: torch.dtype = torch.float32):
-    """The allocator of the output ``HEAD_OUTPUTS[index]``: target's shape when asked for, else empty."""
+def wanted_output(index: int, dtype: torch.dtype = torch.float32):
+    """The allocator of the output ``HEAD_OUTPUTS[index]`` of an operator whose argument ``wanted`` flags them:
+    target's shape when asked for, else empty."""
 
     def allocate(hidden: torch.Tensor, target: torch.Tensor, wanted: list[bool]) -> torch.Tensor:
         return hidden.new_empty(target.shape if wanted[index] else (0,), dtype=dtype)
@@ -471,8 +472,8 @@ def _stats(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 FUSED_LINEAR_LOGPROBS = define(
     "fused_linear_logprobs", _forward,
-    outputs={"logp": _per_token, "entropies": _wanted(0), "lssp": _wanted(1), "means": _wanted(2),
-             "top1": _wanted(3, torch.bool), "stats": _stats},
+    outputs={"logp": _per_token, "entropies": wanted_output(0), "lssp": wanted_output(1),
+             "means": wanted_output(2), "top1": wanted_output(3, torch.bool), "stats": _stats},
     setup_context=_setup_context, backward=_backward,
 )  # fmt: skip
 FUSED_LINEAR_LOGPROBS_BACKWARD = define(

@@ -96,6 +96,15 @@ caller gives them (``ref_logps``, as TRL's ``precompute_ref_log_probs`` does).
 CPO's ipo and simpo), and the reference's logp when there is a reference. They are by-products of step 2, so cost
 nothing, and are not differentiable: a gradient through them would need the logits again.
 
+**Per-token values for the metrics** (``token_outputs``). TRL's DPO and KTO trainers also log statistics of every
+completion token (the entropy, the mean logit, whether the target is the argmax), which their fused head computes
+beside the log-probabilities. Asked for them, the operator scores the tokens with the RL head's kernels
+(:mod:`liger_lab.ops.logprobs`) in place of the cross-entropy's: in step 1 its forward kernel writes each position's
+logp and the statistics asked for, and keeps (m, log s) per row (8 bytes); in step 3 its gradient kernel writes
+dz = (-dl/dlogp) (softmax - onehot) from them, the same per-row scale. The matmuls are the same three; the
+values (N floats each, put back in the caller's order) are metrics, not differentiable. This is what
+:func:`liger_lab.patch_trl` serves those trainers' losses with.
+
 **Memory.** One chunk of logits (kT x V), the N x H unit-ordered copy of hidden and the N x H gradient (put
 back in the caller's order by one more N x H copy when B > 1). :data:`CHUNK_BUDGET_BYTES` sets how many units a
 chunk holds (at least one: with T = 1024, V = 128256 in bf16 a single pair's logits are 501 MiB). dW is accumulated
@@ -112,7 +121,7 @@ each loss's options are checked once, by a function the float64 references share
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,12 +129,15 @@ import torch.nn.functional as F
 
 from liger_lab import runtime
 from liger_lab.formulas import (
+    HEAD_OUTPUTS,
     ORPO_MAX_AVG_LOGP,
+    TOKEN_OUTPUTS,
     LossOptions,
     PreferenceOptions,
     averages,
     check_ignore_index,
     check_number,
+    check_output_names,
     cpo_options,
     dpo_options,
     kl_estimate,
@@ -141,6 +153,7 @@ from liger_lab.ops.cross_entropy import (
     nan_if_out_of_range,
 )
 from liger_lab.ops.cross_entropy import cross_entropy_rows as _token_losses
+from liger_lab.ops.logprobs import HeadOutputs, logprob_grad_rows, logprob_rows, wanted_output
 from liger_lab.ops.operators import define
 
 CHUNK_BUDGET_BYTES = 240 * chunked.MIB
@@ -327,13 +340,16 @@ def _forward(
     ref_weight: torch.Tensor | None, ref_logps: torch.Tensor | None, label: torch.Tensor | None,
     kl: torch.Tensor | None, nll_target: torch.Tensor | None, loss: str, loss_type: str, beta: float, gamma: float,
     label_smoothing: float, alpha: float, nll_weight: float, desirable_weight: float, undesirable_weight: float,
-    ignore_index: int, chunk_units: int | None, accumulation: str, needs: list[bool], total: torch.Tensor,
-    sequence_scores: torch.Tensor, reference_scores: torch.Tensor, grad_hidden: torch.Tensor,
-    grad_weight: torch.Tensor, grad_bias: torch.Tensor, owed: torch.Tensor,
+    ignore_index: int, chunk_units: int | None, per_token: bool, wanted: list[bool], accumulation: str,
+    needs: list[bool], total: torch.Tensor, sequence_scores: torch.Tensor, reference_scores: torch.Tensor,
+    token_logps: torch.Tensor, entropies: torch.Tensor, lssp: torch.Tensor, means: torch.Tensor, top1: torch.Tensor,
+    grad_hidden: torch.Tensor, grad_weight: torch.Tensor, grad_bias: torch.Tensor, owed: torch.Tensor,
 ) -> None:  # fmt: skip
     """The operator's work, into its outputs: the fp32 loss; each sequence's fp32 score in caller order (logp, or
-    avg for the length-normalised losses) and the reference's logp (empty without a reference); the gradients
-    ``needs`` asks for, dh in caller order; the fp32 factor they still owe: 1, or NaN for a bad target."""
+    avg for the length-normalised losses) and the reference's logp (empty without a reference); with ``per_token``
+    each position's logp and the outputs of :data:`~liger_lab.formulas.HEAD_OUTPUTS` that ``wanted`` flags, in
+    caller order (each empty when not asked for); the gradients ``needs`` asks for, dh in caller order; the fp32
+    factor they still owe: 1, or NaN for a bad target."""
     o = PreferenceOptions(loss, loss_type, beta, gamma, label_smoothing, alpha, nll_weight, desirable_weight,
                           undesirable_weight)  # fmt: skip
     n_sequences, seq_len, width = hidden.shape
@@ -346,7 +362,8 @@ def _forward(
         token_target = torch.cat([chosen, target[n_units:]])
     # Before anything is computed: a ValueError in the interpreter; on the GPU, where the counts stay on the
     # device, a target out of range makes the loss and the gradients NaN (check_target).
-    valid = nan_if_out_of_range(check_target(token_target, hidden.shape[:-1], vocab, ignore_index))
+    counts = check_target(token_target, hidden.shape[:-1], vocab, ignore_index)
+    valid = nan_if_out_of_range(counts)
     if nll_target is not None:
         valid = valid * _nan_if_disagreeing(target[:n_units], nll_target, ignore_index)
     options = LossOptions(ignore_index=ignore_index)
@@ -381,6 +398,43 @@ def _forward(
         nll_mask = nll_mask.reshape(-1)
     token_losses = torch.zeros(rows.shape[0], dtype=torch.float32, device=device)
     row_scale = torch.empty(min(chunk_rows, rows.shape[0]), dtype=torch.float32, device=device)
+    # Buffers written in unit order: the caller's own, viewed so, where the two orders agree (one unit, or units of
+    # one sequence), else new ones put back in the caller's order after the loop.
+    same_order = n_units <= 1 or group == 1
+
+    def unit_buffer(out: torch.Tensor) -> torch.Tensor:
+        if same_order:
+            return _unit_order(out, n_units, group)
+        return out.new_empty((out.shape[0] * out.shape[1], *out.shape[2:]))
+
+    def put_back(buffer: torch.Tensor, out: torch.Tensor) -> None:
+        if not same_order:
+            shape = out.shape[1:]
+            out.view(group, n_units, *shape).copy_(buffer.view(n_units, group, *shape).transpose(0, 1))
+
+    # With per_token the RL head's kernels score the tokens: their pass also gives the other outputs, and they keep
+    # (m, log s) per row for dz.
+    caller_extras = HeadOutputs(*(out if asked else None for out, asked in zip((entropies, lssp, means, top1), wanted,
+                                                                                strict=True)))  # fmt: skip
+    extras = HeadOutputs(*(None if out is None else unit_buffer(out) for out in caller_extras.tensors()))
+    logp_rows = unit_buffer(token_logps) if per_token else None
+    stats = torch.empty(row_scale.shape[0], 2, dtype=torch.float32, device=device) if per_token else None
+
+    def score(z: torch.Tensor, chunk: slice) -> None:
+        """-log p of the chunk's targets into token_losses (with ``per_token``, the rest of the outputs too)."""
+        if not per_token:
+            _token_losses(z, flat_target[chunk], token_losses[chunk], options)
+            return
+        logprob_rows(z, flat_target[chunk], logp_rows[chunk], stats[: z.shape[0]], counts, 1.0, ignore_index,
+                     extras=extras.rows(chunk))  # fmt: skip
+        torch.neg(logp_rows[chunk], out=token_losses[chunk])
+
+    def write_dz(z: torch.Tensor, chunk: slice, scale: torch.Tensor) -> None:
+        """(softmax - onehot) * scale over z, ``scale`` = -dl/dlogp of each row."""
+        if per_token:
+            logprob_grad_rows(z, flat_target[chunk], stats[: z.shape[0]], -scale, 1.0, ignore_index)
+        else:
+            _token_losses(z, flat_target[chunk], token_losses[chunk], options, grad=z, row_scale=scale)
 
     def unit_terms(first, last, logp, nll_logp):
         s = Scores(logp, n[first:last], None if ref is None else ref[first:last],
@@ -396,7 +450,7 @@ def _forward(
 
     def step(z, chunk, write_grad):
         first, last = chunk.start // unit_rows, chunk.stop // unit_rows
-        _token_losses(z, flat_target[chunk], token_losses[chunk], options)
+        score(z, chunk)
         losses = token_losses[chunk]
         odds_losses = losses if scored is None else torch.where(scored[chunk], losses, 0.0)
         logp = _sequence_logps(odds_losses, seq_len).view(-1, group)
@@ -413,23 +467,23 @@ def _forward(
             else:  # per position: the odds' scale where they count it, the NLL's weight where it does
                 odds_part = torch.where(scored[chunk].view(-1, seq_len), per_sequence, 0.0)
                 scale.copy_(odds_part + nll_mask[chunk].view(-1, seq_len) * (nll_scale / common_factor))
-            _token_losses(z, flat_target[chunk], token_losses[chunk], options, grad=z, row_scale=scale.view(-1))
+            write_dz(z, chunk, scale.view(-1))
 
-    # dh is made in unit order: over the caller's rows themselves where the two orders agree (one unit, or units of
-    # one sequence), else into a buffer put back in the caller's order after the loop.
-    same_order = n_units <= 1 or group == 1
     grad_rows = None
-    if needs[0]:
+    if needs[0]:  # dh is made in unit order
         caller_rows = grad_hidden.view(n_sequences, seq_len, width)
-        grad_rows = _unit_order(caller_rows, n_units, group) if same_order else torch.empty_like(rows)
+        grad_rows = unit_buffer(caller_rows)
     grads = chunked.ChunkGrads.asked(needs, grad_rows, grad_weight, grad_bias)
     chunked.chunked_linear_loss(rows, weight, step, chunk=max(chunk_rows, 1), grads=grads,
                                 grad_scale=common_factor / max(n_units, 1))  # fmt: skip
     if not rows.shape[0]:  # no positions at all (T = 0 or B = 0): every sequence scores 0, nothing depends on weights
         terms = unit_terms(0, n_units, scores, scores[:, 0])[0]
-    if grad_rows is not None and not same_order:
-        in_unit_order = grad_rows.view(n_units, group, seq_len, width).transpose(0, 1)
-        caller_rows.view(group, n_units, seq_len, width).copy_(in_unit_order)
+    if grad_rows is not None:
+        put_back(grad_rows, caller_rows)
+    if per_token:
+        for buffer, out in zip((logp_rows, *extras.tensors()), (token_logps, *caller_extras.tensors()), strict=True):
+            if out is not None:
+                put_back(buffer, out)
     if o.loss == "kto" and n_units:
         # The mean over the completions whose loss is a number (NaN when none is, as TRL's nanmean); the gradients
         # were made with 1 / U and owe U / counted, counted on the device.
@@ -453,16 +507,26 @@ def _reference_scores(
     return hidden.new_empty(hidden.shape[0] if with_reference else 0, dtype=torch.float32)
 
 
+def _token_logps(hidden: torch.Tensor, target: torch.Tensor, per_token: bool) -> torch.Tensor:
+    return hidden.new_empty(target.shape if per_token else (0,), dtype=torch.float32)
+
+
 FUSED_LINEAR_PREFERENCE_OUTPUTS = {
     "total": lambda hidden: hidden.new_empty((), dtype=torch.float32),
     "sequence_scores": lambda hidden: hidden.new_empty(hidden.shape[0], dtype=torch.float32),
     "reference_scores": _reference_scores,
+    "token_logps": _token_logps,
+    "entropies": wanted_output(0),
+    "lssp": wanted_output(1),
+    "means": wanted_output(2),
+    "top1": wanted_output(3, torch.bool),
     **chunked.grad_outputs(),
 }
 FUSED_LINEAR_PREFERENCE = define("fused_linear_preference", _forward, outputs=FUSED_LINEAR_PREFERENCE_OUTPUTS)
 """One operator for every preference loss (its ``loss`` argument picks the unit loss): (loss, sequence scores,
-reference logp, dh, dW, db, owed factor). The scores are metrics: :func:`run_loss` marks them non-differentiable."""
-_LOSSES = {loss: chunked.FusedLoss(f"fused_linear_{loss}", FUSED_LINEAR_PREFERENCE, metrics=2) for loss in LOSSES}
+reference logp, per-token logp and the head's other outputs, dh, dW, db, owed factor). The scores and per-token
+values are metrics: :func:`run_loss` marks them non-differentiable."""
+_LOSSES = {loss: chunked.FusedLoss(f"fused_linear_{loss}", FUSED_LINEAR_PREFERENCE, metrics=7) for loss in LOSSES}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -519,11 +583,13 @@ def _check_kl(kl, kl_logps, ref_kl_logps, device: torch.device) -> torch.Tensor 
 
 
 def _preference(o, hidden, weight, target, *, ref=(None, None, None), label=None, kl=None, nll_target=None,
-                ignore_index, chunk_units, accumulation, return_logps):  # fmt: skip
+                ignore_index, chunk_units, accumulation, return_logps, token_outputs):  # fmt: skip
     """Validate what every loss shares (ValueError before any work), then run the operator under autograd. Returns
     the loss, or with ``return_logps`` (loss, the sequences' scores (N,), the reference's logp (N,)) for an unpaired
-    loss, (loss, chosen scores, rejected scores[, reference chosen, reference rejected for DPO]) for a paired one."""
+    loss, (loss, chosen scores, rejected scores[, reference chosen, reference rejected for DPO]) for a paired one;
+    then the per-token values ``token_outputs`` names, in that order."""
     check_ignore_index(ignore_index)
+    token_outputs = check_output_names("token_outputs", token_outputs, TOKEN_OUTPUTS)
     paired = group_size(o.loss) == 2
     layout = PAIRED_LAYOUT if paired else UNPAIRED_LAYOUT
     chunked.check_head(hidden, weight, layout=layout)
@@ -549,17 +615,22 @@ def _preference(o, hidden, weight, target, *, ref=(None, None, None), label=None
     if ref_hidden is not None:  # a frozen model: constants of the call
         ref_hidden, ref_weight = ref_hidden.detach(), ref_weight.detach()
     constants = [None if t is None else t.detach() for t in (ref_logps, label, kl)]
-    arguments = (*o.arguments(), ignore_index, chunk_units, accumulation, chunked.needed_grads(hidden, weight))
+    wanted = [name in token_outputs for name in HEAD_OUTPUTS]
+    arguments = (*o.arguments(), ignore_index, chunk_units, bool(token_outputs), wanted, accumulation,
+                 chunked.needed_grads(hidden, weight))  # fmt: skip
     tensors = (hidden, weight, target, ref_hidden, ref_weight, *constants, nll_target)
-    total, scores, ref_scores = chunked.run_loss(_LOSSES[o.loss], tensors, arguments)
+    total, scores, ref_scores, *per_token = chunked.run_loss(_LOSSES[o.loss], tensors, arguments)
+    by_name = dict(zip(TOKEN_OUTPUTS, per_token, strict=True))
+    tokens = tuple(by_name[name] for name in token_outputs)
     if not return_logps:
-        return total
+        return (total, *tokens) if tokens else total
     if not paired:
-        return total, scores, ref_scores
+        return total, scores, ref_scores, *tokens
     # A paired loss returns its scores per side: (loss, chosen, rejected), with DPO's reference scores after them.
     n_pairs = hidden.shape[0] // 2
     sides = (scores[:n_pairs], scores[n_pairs:])
-    return (total, *sides, ref_scores[:n_pairs], ref_scores[n_pairs:]) if o.loss == "dpo" else (total, *sides)
+    references = (ref_scores[:n_pairs], ref_scores[n_pairs:]) if o.loss == "dpo" else ()
+    return total, *sides, *references, *tokens
 
 
 _COMMON_DOC = """
@@ -577,6 +648,12 @@ _COMMON_DOC = """
     scores the loss is built from and the TRL trainer logs as ``logps/chosen`` and ``logps/rejected`` (see each
     loss for sum or mean). They come free with the loss and are not differentiable (metrics: no gradient flows
     back through them).
+
+    ``token_outputs``: per-token values from the loss's own pass over the vocabulary, returned after the rest, in
+    the order named, each (2B, T) in hidden's row order, 0 at ignored positions, without gradient: any of
+    "log_probs" (log softmax(z)[target]) and the head outputs of :func:`liger_lab.fused_linear_logprobs`
+    ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1", bool). What a TRL trainer logs beside its loss
+    (``liger_lab.patch_trl``), at the cost of no matmul: the tokens are then scored by the RL head's kernels.
 """
 
 
@@ -595,10 +672,12 @@ def fused_linear_dpo(
     chunk_pairs: int | None = None,
     accumulation: str | None = None,
     return_logps: bool = False,
+    token_outputs: Sequence[str] = (),
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     return _preference(
         dpo_options(beta, loss_type, label_smoothing), hidden, weight, target, ref=(ref_hidden, ref_weight, ref_logps),
         ignore_index=ignore_index, chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
+        token_outputs=token_outputs,
     )  # fmt: skip
 
 
@@ -633,10 +712,12 @@ def fused_linear_orpo(
     chunk_pairs: int | None = None,
     accumulation: str | None = None,
     return_logps: bool = False,
+    token_outputs: Sequence[str] = (),
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     return _preference(
         orpo_options(beta), hidden, weight, target, nll_target=nll_target, ignore_index=ignore_index,
         chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
+        token_outputs=token_outputs,
     )  # fmt: skip
 
 
@@ -667,10 +748,12 @@ def fused_linear_simpo(
     chunk_pairs: int | None = None,
     accumulation: str | None = None,
     return_logps: bool = False,
+    token_outputs: Sequence[str] = (),
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     return _preference(
         simpo_options(beta, gamma), hidden, weight, target, ignore_index=ignore_index, chunk_units=chunk_pairs,
         accumulation=accumulation, return_logps=return_logps,
+        token_outputs=token_outputs,
     )  # fmt: skip
 
 
@@ -697,10 +780,12 @@ def fused_linear_cpo(
     chunk_pairs: int | None = None,
     accumulation: str | None = None,
     return_logps: bool = False,
+    token_outputs: Sequence[str] = (),
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     return _preference(
         cpo_options(beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha), hidden, weight, target,
         ignore_index=ignore_index, chunk_units=chunk_pairs, accumulation=accumulation, return_logps=return_logps,
+        token_outputs=token_outputs,
     )  # fmt: skip
 
 
@@ -740,6 +825,7 @@ def fused_linear_kto(
     chunk_completions: int | None = None,
     accumulation: str | None = None,
     return_logps: bool = False,
+    token_outputs: Sequence[str] = (),
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """KTO, TRL 1.16's ``KTOTrainer`` loss on one micro-batch (keywords as ``KTOConfig``'s fields).
 
@@ -769,6 +855,7 @@ def fused_linear_kto(
     ``(loss, logps, ref_logps)``, each (B,) float32 in the rows' order (the
     summed log-probabilities: TRL's ``logps/chosen`` and ``logps/rejected`` are their means over the desirable and
     the undesirable rows, its rewards beta * (logps - ref_logps)); they are metrics, not differentiable.
+    ``token_outputs`` as for the paired losses (each (B, T)), returned last.
 
     The logits are never held for the whole batch: the loop runs over chunks of ``chunk_completions`` completions
     (default from :data:`CHUNK_BUDGET_BYTES`); ``accumulation`` as in :func:`liger_lab.fused_linear_cross_entropy`. A
@@ -783,4 +870,5 @@ def fused_linear_kto(
     return _preference(
         o, hidden, weight, target, ref=(ref_hidden, ref_weight, ref_logps), label=label, kl=kl,
         ignore_index=ignore_index, chunk_units=chunk_completions, accumulation=accumulation, return_logps=return_logps,
+        token_outputs=token_outputs,
     )  # fmt: skip
