@@ -1,10 +1,11 @@
 """Where an eager call's host time goes on a GPU machine: cProfile of forward+backward loops, by own time.
 
-    python -m benchmarks.experiments.host_profile [fused_linear_cross_entropy cross_entropy swiglu]
+    python -m benchmarks.experiments.host_profile [fused_linear_cross_entropy cross_entropy swiglu step:MODE]
 
 The fused linear cross-entropy runs at the small preset's loss (4096 tokens, hidden 768, vocabulary 32000) with the
 chunk a patched model gives it there (192 tokens), where the training step showed about 0.6 ms of host time per
-chunk.
+chunk. ``step:MODE`` profiles a whole eager training step of the small preset at 4 x 1024 in that mode (one mode
+per process: patching is module-wide), sorted by own time and then by cumulative time.
 """
 
 from __future__ import annotations
@@ -37,8 +38,41 @@ CASES = {
 }  # fmt: skip
 
 
+def profile_step(mode: str) -> None:
+    from liger_lab.e2e.presets import model_config
+    from liger_lab.e2e.training import apply_mode, build_model, make_optimizer, random_batch, train_step
+
+    config = model_config("small")
+    model = build_model(config)
+    apply_mode(model, mode)
+    optimizer = make_optimizer(model, 1e-4)
+    tokens = random_batch(config, 4, 1024, 0)
+    for _ in range(5):
+        train_step(model, optimizer, tokens)
+    torch.cuda.synchronize()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(20):
+        train_step(model, optimizer, tokens)
+    cpu = time.process_time() - cpu
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / 20 * 1e3
+    print(f"=== step {mode}: {wall:.2f} ms per step, host CPU {cpu / 20 * 1e3:.2f} ms (no profiler)")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(10):
+        train_step(model, optimizer, tokens)
+    torch.cuda.synchronize()
+    profile.disable()
+    stats = pstats.Stats(profile)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
+
+
 def main(names: list[str]) -> None:
     for name in names or list(CASES):
+        if name.startswith("step:"):
+            profile_step(name.removeprefix("step:"))
+            continue
         fn, inputs = CASES[name]()
         leaves = [t for t in inputs if t.requires_grad]
 
