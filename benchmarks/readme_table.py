@@ -112,6 +112,26 @@ def raw_rows(names: Sequence[str]) -> str:
     return "Raw rows: " + ", ".join(f"`{(results.RESULTS_DIR / name).relative_to(ROOT)}`" for name in names) + "."
 
 
+def sources(names: Sequence[str]) -> str:
+    """Each run's provenance line (the lease machine too, where a run names it), then the raw rows' files."""
+    lines = []
+    for name in names:
+        machine = results.load(name)[0].get("lease_machine")
+        lines.append(results.source(name) + (f", {machine}" if machine else "") + ".")
+    return "\n".join([*lines, raw_rows(names)])
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """Chunk sweeps of the fused-linear losses (``benchmarks/sweep_chunks.py``): per op and call, the GPU time (kernel
+    sum), the wall time of a call and the peak above the inputs; a peer measured before and after the sweep says how
+    far the GPU drifted during it."""
+    lines = ["| op | call | GPU ms | wall ms | peak MiB |", "|---|---|---|---|---|"]
+    for r in rows:
+        call = r["impl"] + (f" ({r['position']})" if r.get("position") else "")
+        lines.append(f"| {r['op']} | {call} | {r['full_ms']:.2f} | {r['wall_ms']:.2f} | {r['peak_mib']:,.0f} |")
+    return "\n".join(lines)
+
+
 def e2e_table(rows: list[dict]) -> str:
     """One line per training run: mode, size, tokens/s and peak."""
     lines = ["| impl | batch x seq | tokens/s | peak GiB |", "|---|---|---|---|"]
@@ -243,8 +263,11 @@ LOSSES, LOSS_OPS = ("h200-ops-round2.json",), ("jsd", "fused_linear_jsd", "fused
                                                  "fused_linear_simpo")  # fmt: skip
 VOCAB, NOTES_E2E = "h200-e2e-vocab.json", "h200-e2e.json"
 SMALL_STEP, SMALL_LENGTHS = "h200-wall-clock-e2e.json", "h200-wall-clock-lengths.json"
-SMALL_STEP_NOW, OP_WALL = "h200-wall-clock-e2e-2.json", "h200-wall-clock-ops.json"
-TRL_STEPS, RL_HEAD = "h200-trl-steps.json", "h200-rl-head-d072fd1.json"
+SMALL_STEP_NOW = ("h200-wall-clock-e2e-ff3b723.json", "h200-wall-clock-e2e-8x512-ff3b723.json")
+SMALL_LENGTHS_NOW, OP_WALL = "h200-wall-clock-lengths-ff3b723.json", "h200-wall-clock-ops-ff3b723.json"
+COMPILE_1_5B = "h200-e2e-1.5b-compile-ff3b723.json"
+TRL_STEPS, RL_HEAD = "h200-trl-steps-ff3b723.json", "h200-rl-head-ff3b723.json"
+CHUNK_SWEEPS = tuple(f"h200-sweep-{op}-chunks-ff3b723.json" for op in ("head", "grpo", "flce"))
 TABLES = (
     Table("README.md", "bench", lambda: f"{ops_table(ops_rows(BENCH_OPS))}\n\n{raw_rows(BENCH_OPS)}\n\n"
           f"End to end (Llama-style 1.5B, AdamW, bf16):\n\n{e2e_table(results.load(BENCH_E2E))}"),
@@ -256,14 +279,18 @@ TABLES = (
         f"{step_table(results.load(SMALL_STEP), results.load(SMALL_LENGTHS))}\n\n{results.source(SMALL_STEP)}. "
         f"{raw_rows((SMALL_STEP, SMALL_LENGTHS))}")),
     Table("benchmarks/notes/host_time.md", "small-step-now", lambda: (
-        f"{step_table(results.load(SMALL_STEP_NOW), [])}\n\n{results.source(SMALL_STEP_NOW)}. "
-        f"{raw_rows((SMALL_STEP_NOW,))}")),
+        f"{step_table([r for name in SMALL_STEP_NOW for r in results.load(name)], results.load(SMALL_LENGTHS_NOW))}"
+        f"\n\n{sources((*SMALL_STEP_NOW, SMALL_LENGTHS_NOW))}")),
+    Table("benchmarks/notes/host_time.md", "compile-1.5b", lambda: (
+        f"{step_table(results.load(COMPILE_1_5B), [])}\n\n{sources((COMPILE_1_5B,))}")),
+    Table("benchmarks/notes/fused_linear_cross_entropy.md", "chunk-floor", lambda: (
+        f"{sweep_table([r for name in CHUNK_SWEEPS for r in results.load(name)])}\n\n{sources(CHUNK_SWEEPS)}")),
     Table("benchmarks/notes/host_time.md", "op-wall", lambda: (
-        f"{op_wall_table(results.load(OP_WALL))}\n\n{results.source(OP_WALL)}. {raw_rows((OP_WALL,))}")),
+        f"{op_wall_table(results.load(OP_WALL))}\n\n{sources((OP_WALL,))}")),
     Table("README.md", "trl-steps", lambda: (
-        f"{trl_step_table(results.load(TRL_STEPS))}\n\n{results.source(TRL_STEPS)}. {raw_rows((TRL_STEPS,))}")),
+        f"{trl_step_table(results.load(TRL_STEPS))}\n\n{sources((TRL_STEPS,))}")),
     Table("README.md", "rl-head", lambda: (
-        f"{head_table(results.load(RL_HEAD))}\n\n{results.source(RL_HEAD)}. {raw_rows((RL_HEAD,))}")),
+        f"{head_table(results.load(RL_HEAD))}\n\n{sources((RL_HEAD,))}")),
     Table("benchmarks/notes/end_to_end.md", "e2e-vocab", lambda: vocab_table(
         results.load(VOCAB), ("gemma3-1.5b", "qwen3-1.5b"), ("liger", "liger_lab"), ratio_to="liger")),
 )  # fmt: skip
