@@ -9,7 +9,8 @@ shape (the ``small`` preset's widths, 4096 tokens), each implementation in this 
 default call), Liger-Kernel and eager PyTorch of the reference formula, and the labelled variant
 ``liger_lab:triton_launch`` (every launch through ``kernel[grid]``, as before launches skipped Triton's launch
 path). Per forward+backward call: the wall time of a loop of calls with one synchronisation at the end (what a user
-without CUDA graphs waits), the host's CPU time per call in that loop, and the GPU time (the profiler's kernel sum).
+without CUDA graphs waits), the host's CPU time per call in that loop (the median of 5 rounds, the implementations
+of one shape taking turns round by round), and the GPU time (the profiler's kernel sum).
 
 ``e2e``: training steps of the ``small`` preset (DESIGN's round-4 protocol: Llama-style, hidden 768, 8 layers, vocab
 32000, AdamW fused, bf16) at 4 x 1024 and 8 x 512 in every mode, each run in a fresh process: ms per step, tokens/s,
@@ -92,42 +93,69 @@ def time_calls(call: Callable[[], object], *, calls: int = 30, warmup: int = 5) 
     return (time.perf_counter() - start) * 1e3 / calls, cpu * 1e6 / calls
 
 
+OP_ROUNDS = 5
+"""Rounds of :func:`time_calls` per implementation and shape, the implementations taking turns round by round."""
+
+
+def _op_call(spec, shape: tuple, build: Callable[[], Callable[..., object]]) -> Callable[[], None]:
+    """One forward+backward call of an implementation on its own fresh inputs of ``shape`` (bf16)."""
+    fn = build()
+    inputs = spec.make_inputs(shape, torch.bfloat16)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    first = fn(*inputs)
+    outputs = [o for o in (first if isinstance(first, tuple) else (first,)) if o.requires_grad]
+    upstream = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outputs]
+    del first, outputs
+    return lambda: _grads(fn(*inputs), leaves, upstream)
+
+
+def _timed(impl: str, call: Callable[[], object]) -> tuple[float, float]:
+    device._DIRECT_LAUNCHES = impl != "liger_lab:triton_launch"  # the labelled variant: Triton's own launch path
+    try:
+        return time_calls(call)
+    finally:
+        device._DIRECT_LAUNCHES = True
+
+
 def op_rows(names: list[str], report: Report) -> None:
+    """Per op and shape, every implementation's call built first, then timed in :data:`OP_ROUNDS` alternating rounds
+    (so that a drift of the machine falls on all of them alike, not on whichever was timed first): the median round's
+    wall and host time, and the GPU's kernel sum."""
     for name in names:
         spec = bench.OPS[name]
         for label, shape in (("protocol", spec.shape), ("host-bound", HOST_BOUND_SHAPES[name])):
             impls = {impl: build for impl, build in spec.impls.items() if impl in IMPLS}
             impls["liger_lab:triton_launch"] = impls["liger_lab"]
+            base = {"op": "op_wall_clock", "of": name, "shape_kind": label, "shape": list(shape)}
+            calls, rounds = {}, {}
             for impl, build in impls.items():
                 if spec.unavailable_reason(impl.split(":")[0]) is not None:
                     continue
-                if impl == "torch_compile":
-                    torch.compiler.reset()
+                try:
+                    calls[impl] = _op_call(spec, shape, build)
+                    _timed(impl, calls[impl])  # warm: compiles, autotunes, caches
+                    rounds[impl] = []
+                except Exception as error:  # one failing implementation must not hide the others' numbers
+                    calls.pop(impl, None)
+                    report({**base, "impl": impl, "error": f"{type(error).__name__}: {str(error)[:300]}"})
+            for _ in range(OP_ROUNDS):
+                for impl, call in list(calls.items()):
+                    try:
+                        rounds[impl].append(_timed(impl, call))
+                    except Exception as error:
+                        del calls[impl]
+                        report({**base, "impl": impl, "error": f"{type(error).__name__}: {str(error)[:300]}"})
+            for impl, call in calls.items():
+                wall_ms, host_us = sorted(rounds[impl])[len(rounds[impl]) // 2]
                 device._DIRECT_LAUNCHES = impl != "liger_lab:triton_launch"
                 try:
-                    fn = build()
-                    inputs = spec.make_inputs(shape, torch.bfloat16)
-                    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-                    first = fn(*inputs)
-                    outputs = [o for o in (first if isinstance(first, tuple) else (first,)) if o.requires_grad]
-                    upstream = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outputs]
-                    del first, outputs
-
-                    def call(fn=fn, inputs=inputs, leaves=leaves, upstream=upstream) -> None:
-                        _grads(fn(*inputs), leaves, upstream)
-
-                    wall_ms, host_us = time_calls(call)
                     gpu_ms = runtime.measure_kernel_sum_ms(call, calls=3)
-                    row = {"op": "op_wall_clock", "of": name, "shape_kind": label, "shape": list(shape), "impl": impl,
-                           "wall_ms": round(wall_ms, 4), "host_us": round(host_us, 1),
-                           "gpu_ms": round(gpu_ms, 4)}  # fmt: skip
-                except Exception as error:  # one failing implementation must not hide the others' numbers
-                    row = {"op": "op_wall_clock", "of": name, "shape_kind": label, "shape": list(shape), "impl": impl,
-                           "error": f"{type(error).__name__}: {str(error)[:300]}"}  # fmt: skip
                 finally:
                     device._DIRECT_LAUNCHES = True
-                    torch.cuda.empty_cache()
-                report(row)
+                report({**base, "impl": impl, "wall_ms": round(wall_ms, 4), "host_us": round(host_us, 1),
+                        "gpu_ms": round(gpu_ms, 4), "rounds": OP_ROUNDS})  # fmt: skip
+            del calls
+            torch.cuda.empty_cache()
 
 
 def step_row(mode: str, batch: int, seq: int, *, chunk: int | None, kernels: bool) -> dict:
