@@ -10,7 +10,9 @@ The op runs at its protocol shape in bf16 (forward+backward; the profiler's kern
 the default call is measured first as the yardstick. ``--variant`` adds one of the op's opt-in keyword sets (its
 table row's variants, e.g. ``in_place_backward``) to every call, the default chunk's included. ``--peer`` measures
 another implementation (``liger``: Liger-Kernel) before and after the chunk sizes, so that a GPU whose speed drifts
-during the run shows it. ``--quick`` runs the op's small check shape, in the interpreter too.
+during the run shows it. ``--quick`` runs the op's small check shape, in the interpreter too. ``--rounds N`` times
+every chunk size N times, the sizes taking turns round by round, so that a GPU warming up or drifting falls on all
+of them (a default timed first, alone, can read slow).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--variant", choices=VARIANTS, help="an opt-in of the op, added to every call")
     parser.add_argument("--peer", action="append", default=[], help="implementation measured before and after")
     parser.add_argument("--quick", action="store_true", help="the op's small check shape (runs in the interpreter)")
+    parser.add_argument("--rounds", type=int, default=1, help="time every chunk size this many times, in turn")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if runtime.INTERPRET and not args.quick:
@@ -61,11 +64,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     flops = op.flops(shape) if op.flops else None
     print(runtime.describe(), flush=True)
     rows = []
-    for position, plan in (("before", peers), (None, ours.items()), ("after", peers)):
+    rounds = [(f"round {r + 1}" if args.rounds > 1 else None, list(ours.items())) for r in range(args.rounds)]
+    for position, plan in (("before", peers), *rounds, ("after", peers)):
         for impl, fn in plan:
             inputs = lambda: op.make_inputs(shape, dtype)
             result = profiling.measure(args.op, impl, fn, inputs, full_flops=flops, graph=op.graph_timing)
-            print(profiling.result_line(result), flush=True)
+            print(profiling.result_line(result) + (f"  [{position}]" if position else ""), flush=True)
             rows.append({**result.as_row(), "shape": list(shape), **({"position": position} if position else {})})
     if args.json:
         results.write_rows(rows, args.json)
