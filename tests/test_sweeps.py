@@ -75,6 +75,17 @@ def test_sweep_chunks_passes_each_size_as_the_keyword_with_a_variant_and_a_peer(
     assert all(r["shape"] == [67, 64, 1000] and r["full_ms"] > 0 for r in rows)
 
 
+def test_sweep_chunks_rounds_take_turns(tmp_path):
+    json_path = tmp_path / "chunks.json"
+    sweep_chunks.main(["fused_linear_cross_entropy", "chunk_tokens", "32", "--quick", "--rounds", "2",
+                       "--json", str(json_path)])  # fmt: skip
+    rows = json.loads(json_path.read_text())
+    assert [(r["impl"], r["position"]) for r in rows] == [
+        ("liger_lab", "round 1"), ("liger_lab:chunk_tokens=32", "round 1"),
+        ("liger_lab", "round 2"), ("liger_lab:chunk_tokens=32", "round 2"),
+    ]  # fmt: skip
+
+
 def test_sweep_shapes_prints_each_row_writes_json_resumes_and_plots(tmp_path, capsys):
     json_path, plot_path = tmp_path / "shapes.json", tmp_path / "shapes.png"
     common = ["--quick", "--impl", "liger_lab", "--impl", "eager", "--json", str(json_path)]
