@@ -11,6 +11,13 @@
 # runs, so a lease of fixed length is never spent waiting on one part. PYTHON names the interpreter (default python3,
 # which on a GPU image is its virtual environment's). The Hugging Face libraries run offline: nothing here downloads,
 # and a machine without network access must not wait on the hub.
+# On a lent machine (device tool): carry the wheels of ../shared/tools/gpu-wheels.sh as .whl, and install all but
+# huggingface_hub, transformers, tokenizers and hf_xet (the image's transformers 5.17 and hub 1.33 import; the hub
+# 2.4 wheel of the set imports httpx2, which the set lacks), after removing a /tmp/site a warm machine kept:
+#   rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+#     $(ls .whl/*.whl | grep -v -E "huggingface_hub|transformers-|tokenizers-|hf_xet") && export PYTHONPATH=/tmp/site:$PWD
+# Seen on 2026-12-03 (ff3b723): tests (8 workers) 65 s, head 60 s, trl 200 s, e2e at one size 85 s, lengths 170 s,
+# ops 30 s; two lease machines of one session had hosts about 2x apart, so compare rows of one machine only.
 # Back on the checkout: copy the JSON files to benchmarks/results/, import them, name them in
 # benchmarks/readme_table.py and run it; copy the executed notebooks to solutions/ and run
 # `python -m liger_lab.workbook.chapters`.
