@@ -4,8 +4,10 @@
     python -m benchmarks.trl_steps --trainers dpo --modes trl liger_lab_obj
 
 The policy is the ``1.5b`` preset (Llama-style, random weights saved once to a folder, bf16 autocast, sdpa
-attention), trained by TRL's own trainer as a user would: SFT at 4 x 2048 tokens, DPO on 4 pairs of 512-token
-prompts and completions (8 x 1024 tokens a step), GRPO on 4 prompts of 256 tokens with 2 completions of 128 each
+attention), trained by TRL's own trainer as a user would: SFT at 4 x 2048 tokens, DPO and CPO (TRL's experimental
+trainer) on 4 pairs of 512-token prompts and completions (8 x 1024 tokens a step), KTO on 8 unpaired 512-token
+prompts and completions, half of them desirable (8 x 1024 tokens, and TRL's KL completions), GRPO on 4 prompts of
+256 tokens with 2 completions of 128 each
 (8 x 384 tokens a step; generation by transformers' ``generate``, excluded: it is timed apart and taken off the
 step). Three ways, each in a fresh process, since patching is global:
 
@@ -30,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-TRAINERS = ("sft", "dpo", "grpo")
+TRAINERS = ("sft", "dpo", "kto", "cpo", "grpo")
+TOKENS_PER_STEP = {"sft": 4 * 2048, "dpo": 8 * 1024, "kto": 8 * 1024, "cpo": 8 * 1024, "grpo": 8 * (256 + 128)}
 MODES = ("trl", "liger_lab", "liger_lab_obj")
 STEPS, WARMUP = 8, 3
 MODEL_DIR = Path("/tmp/liger-lab-trl-1.5b")
@@ -77,23 +80,39 @@ def _texts(count: int, words: int, vocab_size: int, seed: int) -> list[str]:
 def _trainer(kind: str, model, tokenizer, callbacks: list):
     import datasets
     import torch
+    import transformers
     import trl
 
     vocab = tokenizer.vocab_size
     common = dict(output_dir=f"/tmp/liger-lab-trl-{kind}", max_steps=STEPS, report_to=[], logging_steps=1,
                   save_strategy="no", learning_rate=1e-5, bf16=True, dataloader_num_workers=0, seed=0,
+                  use_cpu=not torch.cuda.is_available(),  # CPU: the trainers are built (tests), never timed
                   model_init_kwargs={"dtype": torch.bfloat16, "attn_implementation": "sdpa"})  # fmt: skip
     if kind == "sft":
         data = datasets.Dataset.from_dict({"text": _texts(4 * STEPS, 2047, vocab, 0)})
         args = trl.SFTConfig(**common, per_device_train_batch_size=4, max_length=2048, packing=False)
         return trl.SFTTrainer(model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
-    if kind == "dpo":
+    if kind in ("dpo", "cpo"):
         columns = {
             name: _texts(4 * STEPS, 512, vocab, seed) for seed, name in enumerate(("prompt", "chosen", "rejected"))
         }
-        args = trl.DPOConfig(**common, per_device_train_batch_size=4, max_length=1024)
         data = datasets.Dataset.from_dict(columns)
-        return trl.DPOTrainer(model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
+        if kind == "dpo":
+            args = trl.DPOConfig(**common, per_device_train_batch_size=4, max_length=1024)
+            return trl.DPOTrainer(model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        init = common.pop("model_init_kwargs")  # CPO's trainer takes a model, not a path, and refuses these with one
+        if isinstance(model, str):
+            model = transformers.AutoModelForCausalLM.from_pretrained(model, **init)
+        args = CPOConfig(**common, per_device_train_batch_size=4, max_length=1024)
+        return CPOTrainer(model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
+    if kind == "kto":
+        data = datasets.Dataset.from_dict({"prompt": _texts(8 * STEPS, 512, vocab, 0),
+                                           "completion": _texts(8 * STEPS, 512, vocab, 1),
+                                           "label": [i % 2 == 0 for i in range(8 * STEPS)]})  # fmt: skip
+        args = trl.KTOConfig(**common, per_device_train_batch_size=8, max_length=1024)
+        return trl.KTOTrainer(model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
     args = trl.GRPOConfig(**common, per_device_train_batch_size=8, num_generations=2, max_completion_length=128,
                           beta=0.04, loss_type="dapo")  # fmt: skip
     data = datasets.Dataset.from_dict({"prompt": _texts(4 * STEPS, 256, vocab, 0)})
@@ -153,7 +172,7 @@ def step_row(kind: str, mode: str) -> dict:
     trainer.train()
     timed = sorted(steps[WARMUP:])
     median = timed[len(timed) // 2]
-    tokens = {"sft": 4 * 2048, "dpo": 8 * 1024, "grpo": 8 * (256 + 128)}[kind]
+    tokens = TOKENS_PER_STEP[kind]
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     return {"op": "trl_step", "trainer": kind, "impl": mode, "model": "1.5b", "tokens_per_step": tokens,
             "ms_per_step": round(1e3 * median, 1), "tokens_per_s": round(tokens / median),
