@@ -150,6 +150,9 @@ def op_rows(names: list[str], report: Report) -> None:
                 device._DIRECT_LAUNCHES = impl != "liger_lab:triton_launch"
                 try:
                     gpu_ms = runtime.measure_kernel_sum_ms(call, calls=3)
+                except Exception as error:
+                    report({**base, "impl": impl, "error": f"{type(error).__name__}: {str(error)[:300]}"})
+                    continue
                 finally:
                     device._DIRECT_LAUNCHES = True
                 report({**base, "impl": impl, "wall_ms": round(wall_ms, 4), "host_us": round(host_us, 1),

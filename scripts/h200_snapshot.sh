@@ -17,7 +17,8 @@
 #   rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
 #     $(ls .whl/*.whl | grep -v -E "huggingface_hub|transformers-|tokenizers-|hf_xet") && export PYTHONPATH=/tmp/site:$PWD
 # Seen on 2026-12-03 (ff3b723): tests (8 workers) 65 s, head 60 s, trl 200 s, e2e at one size 85 s, lengths 170 s,
-# ops 30 s; two lease machines of one session had hosts about 2x apart, so compare rows of one machine only.
+# ops 30 s (one round then; 5 rounds since, so about 3 min); two lease machines of one session had hosts about
+# 2x apart, so compare rows of one machine only.
 # Back on the checkout: copy the JSON files to benchmarks/results/, import them, name them in
 # benchmarks/readme_table.py and run it; copy the executed notebooks to solutions/ and run
 # `python -m liger_lab.workbook.chapters`.
