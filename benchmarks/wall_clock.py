@@ -30,7 +30,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -109,12 +109,23 @@ def _op_call(spec, shape: tuple, build: Callable[[], Callable[..., object]]) -> 
     return lambda: _grads(fn(*inputs), leaves, upstream)
 
 
-def _timed(impl: str, call: Callable[[], object]) -> tuple[float, float]:
-    device._DIRECT_LAUNCHES = impl != "liger_lab:triton_launch"  # the labelled variant: Triton's own launch path
+@contextlib.contextmanager
+def _launch_path(impl: str) -> Iterator[None]:
+    """Within the block, launches take ``impl``'s path: the labelled variant goes through Triton's own launcher."""
+    device._DIRECT_LAUNCHES = impl != "liger_lab:triton_launch"
     try:
-        return time_calls(call)
+        yield
     finally:
         device._DIRECT_LAUNCHES = True
+
+
+def _timed(impl: str, call: Callable[[], object]) -> tuple[float, float]:
+    with _launch_path(impl):
+        return time_calls(call)
+
+
+def _error(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error)[:300]}"
 
 
 def op_rows(names: list[str], report: Report) -> None:
@@ -137,24 +148,22 @@ def op_rows(names: list[str], report: Report) -> None:
                     rounds[impl] = []
                 except Exception as error:  # one failing implementation must not hide the others' numbers
                     calls.pop(impl, None)
-                    report({**base, "impl": impl, "error": f"{type(error).__name__}: {str(error)[:300]}"})
+                    report({**base, "impl": impl, "error": _error(error)})
             for _ in range(OP_ROUNDS):
                 for impl, call in list(calls.items()):
                     try:
                         rounds[impl].append(_timed(impl, call))
                     except Exception as error:
                         del calls[impl]
-                        report({**base, "impl": impl, "error": f"{type(error).__name__}: {str(error)[:300]}"})
+                        report({**base, "impl": impl, "error": _error(error)})
             for impl, call in calls.items():
                 wall_ms, host_us = sorted(rounds[impl])[len(rounds[impl]) // 2]
-                device._DIRECT_LAUNCHES = impl != "liger_lab:triton_launch"
                 try:
-                    gpu_ms = runtime.measure_kernel_sum_ms(call, calls=3)
+                    with _launch_path(impl):
+                        gpu_ms = runtime.measure_kernel_sum_ms(call, calls=3)
                 except Exception as error:
-                    report({**base, "impl": impl, "error": f"{type(error).__name__}: {str(error)[:300]}"})
+                    report({**base, "impl": impl, "error": _error(error)})
                     continue
-                finally:
-                    device._DIRECT_LAUNCHES = True
                 report({**base, "impl": impl, "wall_ms": round(wall_ms, 4), "host_us": round(host_us, 1),
                         "gpu_ms": round(gpu_ms, 4), "rounds": OP_ROUNDS})  # fmt: skip
             del calls
