@@ -9,7 +9,7 @@ from test_compile_dynamic import CompileCounter
 
 import liger_lab
 from liger_lab import reference, runtime
-from liger_lab.ops import logprobs
+from liger_lab.ops import fused_linear_cross_entropy, logprobs
 
 B, T, H, V = 2, 7, 16, 40
 
@@ -271,6 +271,20 @@ def test_every_output_and_its_gradients_match_float64(options):
     exact_grads = torch.autograd.grad(sum((theirs[i] * upstream[i].double()).sum() for i in differentiable), exact)
     for got, expected in zip(grads, exact_grads, strict=True):
         torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_tiles_that_split_the_vocabulary(monkeypatch, dtype):
+    """A budget of a few KiB: the backward runs over tiles of 8 tokens by 128 of the 300 columns (the last tile 44
+    wide), so dW is summed over token tiles, dh over column tiles (bf16: in an fp32 accumulator), and most targets
+    lie outside most tiles."""
+    vocab, n_rows = 300, 21
+    monkeypatch.setattr(fused_linear_cross_entropy, "CHUNK_BUDGET_BYTES", 2 * n_rows * H + 4 * 8 * H + 8 * 128 * 4)
+    hidden, weight = randn(n_rows, H, dtype=dtype), randn(vocab, H, dtype=dtype, scale=2 * H**-0.5)
+    assert logprobs.backward_tiles(hidden, weight, 8, True) == (8, 128 if dtype == torch.float32 else 256)
+    target = targets((n_rows,), vocab)
+    assert check_op("fused_linear_logprobs", hidden, weight, target, randn(vocab, dtype=dtype, scale=0.5),
+                    chunk_tokens=8, outputs=("log_sum_sq_probs", "entropy"), softcap=3.0, logit_scale=0.8)  # fmt: skip
 
 
 def test_is_top1_counts_the_first_of_tied_maxima_only_as_trl_does():

@@ -46,6 +46,8 @@ autograd will ask for (:func:`needed_grads`), the chunk rule (:func:`rows_per_ch
 A loss whose gradient needs the upstream gradient inside the sum over tokens (the RL head, the fused
 cross-entropy's ``reduction="none"``) makes none in the forward: its backward operator runs the loop again, with
 ``grad_outputs(owed=False)``, and :func:`finish_grads` (without an upstream gradient) only shapes and casts them.
+The RL head, whose forward keeps each row's normalizer, runs it over tiles of the vocabulary as well
+(:func:`tiled_linear_grads`): fewer, larger dW products.
 
 The measurements behind the chunk sizes and the dW accumulation are in benchmarks/notes/fused_linear_cross_entropy.md
 and benchmarks/notes/distillation_and_preference.md.
@@ -113,17 +115,17 @@ def _fused_fp32_addmm(device_type: str) -> bool:
     return True
 
 
-def accumulate_weight_grad(acc: torch.Tensor, dz_t: torch.Tensor, h: torch.Tensor, scale: float, first: bool) -> None:
-    """acc (+)= scale * dz_t @ h in acc's dtype. The first chunk writes (beta = 0: no zero-fill of a
-    V x H buffer), later ones add (beta = 1, summed with the product in fp32 inside cuBLAS)."""
+def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, first: bool) -> None:
+    """acc (+)= scale * a @ b in acc's dtype (a gradient summed over chunks or tiles). The first writes (beta = 0:
+    no zero-fill of the buffer), later ones add (beta = 1, summed with the product in fp32 inside cuBLAS)."""
     beta = 0 if first else 1
-    if acc.dtype == dz_t.dtype:
-        torch.addmm(acc, dz_t, h, beta=beta, alpha=scale, out=acc)
+    if acc.dtype == a.dtype:
+        torch.addmm(acc, a, b, beta=beta, alpha=scale, out=acc)
     elif _fused_fp32_addmm(acc.device.type):
-        torch.addmm(acc, dz_t, h, beta=beta, alpha=scale, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, b, beta=beta, alpha=scale, out_dtype=torch.float32, out=acc)
     else:
-        # Fallback (CPU, older torch): an fp32 product; costs a chunk-sized fp32 copy of dz.
-        torch.addmm(acc, dz_t.float(), h.float(), beta=beta, alpha=scale, out=acc)
+        # Fallback (CPU, older torch): an fp32 product; costs a chunk-sized fp32 copy of a.
+        torch.addmm(acc, a.float(), b.float(), beta=beta, alpha=scale, out=acc)
 
 
 def chunked_linear_loss(
@@ -157,12 +159,77 @@ def chunked_linear_loss(
             torch.addmm(bias, h, weight.t(), out=z)
         chunk_loss(z, rows, write_grad)
         if grads.weight is not None:
-            accumulate_weight_grad(grads.weight, z.t(), h, grad_scale, first=start == 0)
+            accumulate_product(grads.weight, z.t(), h, grad_scale, first=start == 0)
         if grads.bias is not None:
             grads.bias.add_(z.sum(dim=0, dtype=torch.float32), alpha=grad_scale)
         if grads.hidden is not None:  # last: over the input it overwrites h, which the dW product has just read
             dh = grads.hidden[rows]
             torch.addmm(dh, z, weight, beta=0, alpha=grad_scale, out=dh)
+
+
+TileGrad = Callable[[torch.Tensor, slice, slice], None]
+"""``tile_grad(z, rows, columns)``: overwrite the logits ``z`` of ``hidden[rows]`` against ``weight[columns]`` with
+d(loss)/dz. A tile holds part of each row, so the loss reads each row's normalizer from what its forward kept."""
+
+
+def tiled_linear_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tile_grad: TileGrad,
+    *,
+    tokens: int,
+    columns: int,
+    grads: ChunkGrads,
+    bias: torch.Tensor | None = None,
+) -> None:
+    """The backward of a loss that recomputes its logits (the RL head): the gradients ``grads`` names, over tiles
+    of ``tokens`` rows by ``columns`` vocabulary entries (``columns`` >= V: whole rows, as the chunk loop's)::
+
+        for each tile of T tokens:               dh_T = 0 (fp32 when V is split)
+            for each slice of V' columns:        z = h_T @ W_V'.T;  tile_grad(z)
+                                                 dW_V' (+)= z.T @ h_T     # K = T
+                                                 dh_T  += z @ W_V'        # summed over slices in fp32
+
+    Why tile the vocabulary: the chunk loop's dW product has K = C, the rows of logits that fit the budget (704 at
+    V = 128k), a thin product that reads and writes all of dW once per chunk. Here a tile of T = 4096 tokens by V'
+    columns fits the same budget, so dW is read and written N / T times, each product has K = T, and with N <= T
+    each slice of dW is one product, summed in fp32 inside cuBLAS and rounded once. dh pays instead: an fp32 T x H
+    accumulator (64 MiB at T = 4096, H = 4096), read and written once per slice of columns."""
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    if tokens < 1 or columns < 1:
+        raise ValueError(f"tiles must have at least one row and one column, got {tokens} x {columns}")
+    if grads.weight is not None and n_rows == 0:  # the first tile overwrites dW: with no rows, nothing does
+        grads.weight.zero_()
+    if grads.bias is not None:
+        grads.bias.zero_()
+    if n_rows == 0 or not grads.any():
+        return
+    tokens, columns = min(tokens, n_rows), min(columns, vocab)
+    logits = torch.empty(tokens * columns, dtype=hidden.dtype, device=hidden.device)
+    split = columns < vocab and grads.hidden is not None and grads.hidden.dtype != torch.float32
+    dh_acc = torch.empty(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device) if split else None
+    for start in range(0, n_rows, tokens):
+        rows = slice(start, min(start + tokens, n_rows))
+        h = hidden[rows]
+        dh = None if grads.hidden is None else grads.hidden[rows]
+        acc = dh if dh_acc is None else dh_acc[: h.shape[0]]
+        for first_column in range(0, vocab, columns):
+            cols = slice(first_column, min(first_column + columns, vocab))
+            w = weight[cols]
+            z = logits[: h.shape[0] * w.shape[0]].view(h.shape[0], w.shape[0])  # contiguous, whatever the tile
+            if bias is None:
+                torch.mm(h, w.t(), out=z)
+            else:
+                torch.addmm(bias[cols], h, w.t(), out=z)
+            tile_grad(z, rows, cols)
+            if grads.weight is not None:
+                accumulate_product(grads.weight[cols], z.t(), h, 1.0, first=start == 0)
+            if grads.bias is not None:
+                grads.bias[cols].add_(z.sum(dim=0, dtype=torch.float32))
+            if acc is not None:
+                accumulate_product(acc, z, w, 1.0, first=first_column == 0)
+        if acc is not dh:
+            dh.copy_(acc)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ import triton.language as tl
 
 from liger_lab import runtime
 from liger_lab.formulas import HEAD_OUTPUTS, check_ignore_index, check_number, head_outputs
-from liger_lab.ops import chunked
+from liger_lab.ops import chunked, fused_linear_cross_entropy
 from liger_lab.ops.cross_entropy import check_target, check_target_tensor
 from liger_lab.ops.fused_linear_cross_entropy import chunk_rows
 from liger_lab.ops.operators import define
@@ -200,9 +200,9 @@ def _logprobs_kernel(
 
 @triton.jit
 def _logprobs_grad_kernel(
-    z_ptr,  # the chunk's raw logits, recomputed; overwritten with d(loss)/d(raw logits)
+    z_ptr,  # a tile's raw logits, recomputed; overwritten with d(loss)/d(raw logits)
     z_row_stride,
-    target_ptr,
+    target_ptr,  # one class index per row, counted in the whole vocabulary
     stats_ptr,  # the forward's (m, log s) per row
     entropy_ptr,  # the forward's entropy per row (ENTROPY)
     lssp_ptr,  # the forward's log sum p**2 per row (LSSP)
@@ -210,7 +210,9 @@ def _logprobs_grad_kernel(
     grad_entropy_ptr,  # ...of the entropy (ENTROPY)...
     grad_lssp_ptr,  # ...of log sum p**2 (LSSP)
     n_rows,
-    n_cols,
+    n_cols,  # the tile's columns...
+    first_col,  # ...are the vocabulary's first_col .. first_col + n_cols - 1...
+    vocab,  # ...of this many
     ignore_index,
     inv_temperature,
     logit_scale,
@@ -223,11 +225,13 @@ def _logprobs_grad_kernel(
 ):
     """With x = c / T and g, k, q the upstream gradients of logp, H and L = log sum p**2:
     d loss / d x_j = g ([j == t] - p_j) - k p_j (log p_j + H) + 2 q (p_j**2 / exp(L) - p_j), then times
-    d x / d raw = logit_scale (1 - t**2) / T (1 - t**2 only with a soft cap). Ignored rows get exact zeros."""
+    d x / d raw = logit_scale (1 - t**2) / T (1 - t**2 only with a soft cap). The statistics are the whole row's, so a
+    tile of a row's columns needs nothing from the others. Ignored rows get exact zeros."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index).to(tl.int64)
-    valid = row_mask & (target != ignore_index) & (target >= 0) & (target < n_cols)
+    valid = row_mask & (target != ignore_index) & (target >= 0) & (target < vocab)
+    target -= first_col  # the target's column in this tile (outside 0 .. n_cols - 1 when another tile has it)
     row_ptr = z_ptr + rows.to(tl.int64) * z_row_stride
     cols = tl.arange(0, BLOCK_N)
     # Every row's statistics, ignored ones too: they are all NaN when a target is out of range (the forward's poison).
@@ -344,11 +348,15 @@ def logprob_grad_rows(
     lssp: torch.Tensor | None = None,
     grad_lssp: torch.Tensor | None = None,
     transform: HeadTransform | None = None,
+    columns: slice | None = None,
+    vocab: int | None = None,
 ) -> None:
     """Overwrite the logits ``z`` with d(loss)/dz for per-row upstream gradients ``grad_logp`` (and ``grad_entropy``
     with the forward's ``entropy``, ``grad_lssp`` with its log sum p**2 ``lssp``, when both of a pair are given),
-    from the forward's ``stats``."""
+    from the forward's ``stats``. ``z`` holds whole rows, or the ``columns`` of a ``vocab`` entries wide one."""
     n_rows, n_cols = z.shape
+    first_col = 0 if columns is None else columns.start
+    vocab = n_cols if vocab is None else vocab
     if n_rows == 0:
         return
     with_entropy = entropy is not None and grad_entropy is not None
@@ -357,8 +365,8 @@ def logprob_grad_rows(
     launch = runtime.streaming_row_launch(n_rows, n_cols)
     runtime.launch_kernel(_logprobs_grad_kernel, (launch.grid,),
         z, z.stride(0), target, stats, entropy if with_entropy else stats, lssp if with_lssp else stats, grad_logp,
-        grad_entropy if with_entropy else grad_logp, grad_lssp if with_lssp else grad_logp, n_rows, n_cols,
-        ignore_index, **transform.kernel_arguments(), ENTROPY=with_entropy, LSSP=with_lssp, ROWS=launch.rows,
+        grad_entropy if with_entropy else grad_logp, grad_lssp if with_lssp else grad_logp, n_rows, n_cols, first_col,
+        vocab, ignore_index, **transform.kernel_arguments(), ENTROPY=with_entropy, LSSP=with_lssp, ROWS=launch.rows,
         BLOCK_N=launch.block_n, num_warps=launch.num_warps,
     )  # fmt: skip
 
@@ -398,8 +406,9 @@ def _backward_rows(
     softcap: float | None, logit_scale: float, chunk_tokens: int | None, accumulation: str, needs: list[bool],
     grad_hidden: torch.Tensor, grad_weight: torch.Tensor, grad_bias: torch.Tensor,
 ) -> None:  # fmt: skip
-    """The gradients ``needs`` asks for: the chunk loop again, each chunk's logits recomputed and overwritten with
-    dz for the upstream gradients of logp (and of the entropy and log sum p**2, with the forward's values)."""
+    """The gradients ``needs`` asks for, over tiles of tokens by vocabulary columns (:func:`backward_tiles`): each
+    tile's logits recomputed and overwritten with dz for the upstream gradients of logp (and of the entropy and
+    log sum p**2, with the forward's values)."""
     rows, flat_target = chunked.token_rows(hidden, target)
 
     def per_row(values: torch.Tensor | None) -> torch.Tensor | None:
@@ -412,17 +421,39 @@ def _backward_rows(
     flat_entropy, flat_lssp = per_row(entropy), per_row(lssp)
     transform = HeadTransform(temperature, softcap, logit_scale)
 
-    def step(z: torch.Tensor, chunk: slice, write_grad: bool) -> None:
+    def tile_grad(z: torch.Tensor, rows: slice, columns: slice) -> None:
         def rows_of(values: torch.Tensor | None) -> torch.Tensor | None:
-            return None if values is None else values[chunk]
+            return None if values is None else values[rows]
 
-        logprob_grad_rows(z, flat_target[chunk], stats[chunk], g_logp[chunk], temperature, ignore_index,
+        logprob_grad_rows(z, flat_target[rows], stats[rows], g_logp[rows], temperature, ignore_index,
                           rows_of(flat_entropy), rows_of(g_entropy), lssp=rows_of(flat_lssp), grad_lssp=rows_of(g_lssp),
-                          transform=transform)  # fmt: skip
+                          transform=transform, columns=columns, vocab=weight.shape[0])  # fmt: skip
 
     grads = chunked.ChunkGrads.asked(needs, grad_hidden, grad_weight, grad_bias)
-    chunk = chunk_rows(rows, weight, chunk_tokens, needs[0])
-    chunked.chunked_linear_loss(rows, weight, step, chunk=chunk, grads=grads, bias=bias)
+    tokens, columns = backward_tiles(rows, weight, chunk_tokens, needs[0])
+    chunked.tiled_linear_grads(rows, weight, tile_grad, tokens=tokens, columns=columns, grads=grads, bias=bias)
+
+
+BACKWARD_TOKENS = 4096
+"""Tokens per tile of the head's backward (TRL's head tiles by as many)."""
+
+
+def backward_tiles(
+    rows: torch.Tensor, weight: torch.Tensor, chunk_tokens: int | None, with_grad_h: bool
+) -> tuple[int, int]:
+    """(tokens, columns) per tile of the backward (:func:`liger_lab.ops.chunked.tiled_linear_grads`): ``chunk_tokens``
+    or :data:`BACKWARD_TOKENS` tokens, and as many of the vocabulary's columns as fit the fused cross-entropy's
+    budget (``CHUNK_BUDGET_BYTES``, read at each call) less the hidden gradient's buffer and, when the vocabulary
+    is split, the tile's fp32 accumulator of dh; whole rows when they fit."""
+    n_rows, hidden_size = rows.shape
+    size, vocab = rows.element_size(), weight.shape[0]
+    budget = fused_linear_cross_entropy.CHUNK_BUDGET_BYTES
+    tokens = max(1, min(n_rows, BACKWARD_TOKENS if chunk_tokens is None else chunk_tokens))
+    other = n_rows * hidden_size * size if with_grad_h else 0
+    if tokens * vocab * size + other <= budget:
+        return tokens, vocab
+    accumulator = tokens * hidden_size * 4 if with_grad_h else 0
+    return tokens, chunked.rows_per_chunk(vocab, tokens * size, budget, other_bytes=other + accumulator, align=128)
 
 
 def _setup_context(ctx, inputs, output):
