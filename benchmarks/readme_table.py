@@ -122,13 +122,16 @@ def sources(names: Sequence[str]) -> str:
 
 
 def sweep_table(rows: list[dict]) -> str:
-    """Chunk sweeps of the fused-linear losses (``benchmarks/sweep_chunks.py``): per op and call, the GPU time (kernel
-    sum), the wall time of a call and the peak above the inputs; a peer measured before and after the sweep says how
-    far the GPU drifted during it."""
+    """Chunk sweeps of the fused-linear losses (``benchmarks/sweep_chunks.py``, and the head's backward tiles of
+    ``benchmarks/experiments/head_backward_tiles.py``): per op and call, the GPU time (kernel sum), the wall time
+    of a call and the peak above the inputs; a peer measured before and after the sweep, or in every round, says
+    how far the GPU drifted during it."""
     lines = ["| op | call | GPU ms | wall ms | peak MiB |", "|---|---|---|---|---|"]
     for r in rows:
-        call = r["impl"] + (f" ({r['position']})" if r.get("position") else "")
-        lines.append(f"| {r['op']} | {call} | {r['full_ms']:.2f} | {r['wall_ms']:.2f} | {r['peak_mib']:,.0f} |")
+        position = r.get("position") or (f"round {r['round'] + 1}" if "round" in r else None)
+        call = r["impl"] + (f" ({position})" if position else "")
+        gpu_ms = r.get("full_ms", r.get("gpu_ms"))  # sweep_chunks' rows, or benchmarks.rl_head's
+        lines.append(f"| {r['op']} | {call} | {gpu_ms:.2f} | {r['wall_ms']:.2f} | {r['peak_mib']:,.0f} |")
     return "\n".join(lines)
 
 

@@ -77,10 +77,10 @@ def test_without_grads_only_the_losses_are_computed():
 @pytest.mark.parametrize(
     ("n_rows", "row_bytes", "budget", "other", "align", "expected"),
     [
-        (8192, 256512, 240 * 2**20, 64 * 2**20, 64, 704),  # the fused cross-entropy's design shape, dh beside it
-        (8192, 256512, 240 * 2**20, 0, 64, 960),  # dh over hidden: the whole budget for logits
+        (8192, 256512, 256 * 2**20, 64 * 2**20, 64, 768),  # the fused cross-entropy's design shape, dh beside it
+        (8192, 256512, 256 * 2**20, 0, 64, 1024),  # dh over hidden: the whole budget for logits
         (8192, 256512, 2**20, 0, 64, 64),  # never below one aligned chunk
-        (100, 256512, 240 * 2**20, 0, 64, 100),  # never above the rows there are
+        (100, 256512, 256 * 2**20, 0, 64, 100),  # never above the rows there are
         (3, 10, 5, 0, 1, 1),  # units (align 1): at least one, even over the budget
         (0, 10, 100, 0, 1, 1),  # no rows: still a valid chunk
     ],

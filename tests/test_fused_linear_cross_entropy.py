@@ -218,11 +218,11 @@ def test_in_place_backward_refuses_a_producer_that_saved_its_output():
 
 
 def test_chunk_size_follows_the_memory_budget():
-    # The design shape: 240 MiB / (128256 x 2 bytes) = 981 tokens -> 960, a multiple of 64; with the 64 MiB
-    # hidden gradient paid from the budget, 176 MiB -> 719 -> 704.
-    assert flce_module.chunk_tokens_for(8192, 128256, torch.bfloat16) == 960
-    assert flce_module.chunk_tokens_for(8192, 128256, torch.bfloat16, other_bytes=64 * 2**20) == 704
-    assert flce_module.chunk_tokens_for(8192, 128256, torch.float32) == 448
+    # The design shape: 256 MiB / (128256 x 2 bytes) = 1046 tokens -> 1024, a multiple of 64; with the 64 MiB
+    # hidden gradient paid from the budget, 192 MiB -> 784 -> 768.
+    assert flce_module.chunk_tokens_for(8192, 128256, torch.bfloat16) == 1024
+    assert flce_module.chunk_tokens_for(8192, 128256, torch.bfloat16, other_bytes=64 * 2**20) == 768
+    assert flce_module.chunk_tokens_for(8192, 128256, torch.float32) == 512
     assert flce_module.chunk_tokens_for(8192, 128256, torch.bfloat16, budget=2**20) == 64  # never below 64
     assert flce_module.chunk_tokens_for(8192, 128256, torch.bfloat16, other_bytes=2**40) == 64
     assert flce_module.chunk_tokens_for(100, 32000, torch.bfloat16) == 100  # never above the token count
@@ -231,8 +231,8 @@ def test_chunk_size_follows_the_memory_budget():
 def test_a_models_chunk_is_bounded_by_two_hidden_states():
     # 8 x 2048 tokens, H = 2048, V = 151936, bf16: two hidden states are 128 MiB -> 441 tokens -> 384.
     assert flce_module.chunk_tokens_in_model(16384, 2048, 151936, torch.bfloat16) == 384
-    # Many tokens: the op's own budget is the smaller bound (240 MiB -> 828 -> 768).
-    assert flce_module.chunk_tokens_in_model(65536, 2048, 151936, torch.bfloat16) == 768
+    # Many tokens: the op's own budget is the smaller bound (256 MiB -> 883 -> 832).
+    assert flce_module.chunk_tokens_in_model(65536, 2048, 151936, torch.bfloat16) == 832
     assert flce_module.chunk_tokens_in_model(8, 64, 1000, torch.float32) == 8  # never above the token count
 
 

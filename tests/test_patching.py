@@ -694,7 +694,7 @@ def test_lora_parity_of_the_newer_families(model_type, fused_calls):
 def test_lora_lm_head_fused_loss_peaks_lower_than_the_logits():
     """bf16 model, fp32 adapters (PEFT's default), a 32768-word vocabulary, 8192 tokens: the unpatched step holds
     the N x V logits (512 MiB in bf16) and fp32 copies of them; the fused one a V x (H + r) weight copy and its
-    gradient (7 MiB) and one chunk of logits (240 MiB)."""
+    gradient (7 MiB) and one chunk of logits (at most the 256 MiB budget)."""
     vocab = 32768
     base = tiny_model("llama", vocab_size=vocab, max_position_embeddings=1024).to(torch.bfloat16)
     reference = lora_model(model=base)

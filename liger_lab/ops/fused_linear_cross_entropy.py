@@ -30,10 +30,11 @@ fp32 registers, never an fp32 copy). :data:`CHUNK_BUDGET_BYTES` bounds the op's 
 of logits, plus the N x H hidden gradient unless ``in_place_backward`` writes it over ``hidden``. ``C``
 is the largest multiple of 64 tokens that fits (at least 64 tokens, at most N). Bigger chunks keep the
 three matmuls near peak; smaller chunks cost less memory. At N = 8192, H = 4096, V = 128256, bf16, dW
-itself is 1002 MiB and the default 240 MiB budget gives C = 960 with ``in_place_backward`` (235 MiB of
-logits, 9 chunks) and C = 704 without (172 MiB, plus 64 MiB for dh): about 1.21 GiB above the inputs
-either way; benchmarks/notes/fused_linear_cross_entropy.md holds the H200 sweep of chunk sizes behind the
-budget. A patched model's loss bounds its chunk further, by the size of its hidden states
+itself is 1002 MiB and the default 256 MiB budget gives C = 1024 with ``in_place_backward`` (251 MiB of
+logits, 8 chunks) and C = 768 without (188 MiB, plus 64 MiB for dh): about 1.22 GiB above the inputs
+either way. Both are multiples of 256 tokens, which the H200's products run faster than their neighbours
+(768 beat 704 by about 3 ms); benchmarks/notes/fused_linear_cross_entropy.md holds the sweeps of chunk sizes
+behind the budget. A patched model's loss bounds its chunk further, by the size of its hidden states
 (:func:`chunk_tokens_in_model`): in a training step the chunk adds to every activation alive. The rule itself
 (:func:`liger_lab.ops.chunked.rows_per_chunk`) is every fused linear loss's; each sets its own budget.
 
@@ -85,7 +86,7 @@ from liger_lab.ops.cross_entropy import (
 from liger_lab.ops.forward_grad import refuse_second_derivative, scale_rows
 from liger_lab.ops.operators import define
 
-CHUNK_BUDGET_BYTES = 240 * chunked.MIB
+CHUNK_BUDGET_BYTES = 256 * chunked.MIB
 """Bytes of temporaries per call: one chunk of logits, plus the hidden gradient's buffer when it is not
 written over ``hidden``. The chunk size in tokens follows from it (see the module docstring)."""
 
