@@ -226,13 +226,15 @@ def test_chunk_size_follows_the_memory_budget():
     assert flce_module.chunk_tokens_for(8192, 128256, torch.bfloat16, budget=2**20) == 64  # never below 64
     assert flce_module.chunk_tokens_for(8192, 128256, torch.bfloat16, other_bytes=2**40) == 64
     assert flce_module.chunk_tokens_for(100, 32000, torch.bfloat16) == 100  # never above the token count
+    assert flce_module.chunk_tokens_for(900, 151936, torch.bfloat16) == 768  # 832 fits: 768, a multiple of 256
+    assert flce_module.chunk_tokens_for(800, 151936, torch.bfloat16) == 800  # every token fits: one chunk
 
 
 def test_a_models_chunk_is_bounded_by_two_hidden_states():
     # 8 x 2048 tokens, H = 2048, V = 151936, bf16: two hidden states are 128 MiB -> 441 tokens -> 384.
     assert flce_module.chunk_tokens_in_model(16384, 2048, 151936, torch.bfloat16) == 384
-    # Many tokens: the op's own budget is the smaller bound (256 MiB -> 883 -> 832).
-    assert flce_module.chunk_tokens_in_model(65536, 2048, 151936, torch.bfloat16) == 832
+    # Many tokens: the op's own budget is the smaller bound (256 MiB -> 883 -> 832 -> 768, a multiple of 256).
+    assert flce_module.chunk_tokens_in_model(65536, 2048, 151936, torch.bfloat16) == 768
     assert flce_module.chunk_tokens_in_model(8, 64, 1000, torch.float32) == 8  # never above the token count
 
 

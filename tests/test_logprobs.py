@@ -275,13 +275,16 @@ def test_every_output_and_its_gradients_match_float64(options):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_tiles_that_split_the_vocabulary(monkeypatch, dtype):
-    """A budget of a few KiB: the backward runs over tiles of 8 tokens by 128 of the 300 columns (the last tile 44
+    """A budget of a few KiB: the backward runs over tiles of 8 tokens by 256 of the 300 columns (the last tile 44
     wide), so dW is summed over token tiles, dh over column tiles (bf16: in an fp32 accumulator), and most targets
     lie outside most tiles."""
     vocab, n_rows = 300, 21
-    monkeypatch.setattr(fused_linear_cross_entropy, "CHUNK_BUDGET_BYTES", 2 * n_rows * H + 4 * 8 * H + 8 * 128 * 4)
     hidden, weight = randn(n_rows, H, dtype=dtype), randn(vocab, H, dtype=dtype, scale=2 * H**-0.5)
-    assert logprobs.backward_tiles(hidden, weight, 8, True) == (8, 128 if dtype == torch.float32 else 256)
+    size = hidden.element_size()  # dh, its fp32 accumulator and the tile: just 256 columns
+    monkeypatch.setattr(
+        fused_linear_cross_entropy, "CHUNK_BUDGET_BYTES", size * n_rows * H + 4 * 8 * H + 8 * 256 * size
+    )
+    assert logprobs.backward_tiles(hidden, weight, 8, True) == (8, 256)
     target = targets((n_rows,), vocab)
     assert check_op("fused_linear_logprobs", hidden, weight, target, randn(vocab, dtype=dtype, scale=0.5),
                     chunk_tokens=8, outputs=("log_sum_sq_probs", "entropy"), softcap=3.0, logit_scale=0.8)  # fmt: skip

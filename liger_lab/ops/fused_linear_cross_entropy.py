@@ -28,15 +28,15 @@ again: a backward with ``create_graph=True`` raises.
 **Chunk size.** The chunk's logits cost ``C * V * itemsize`` bytes (bf16: 2 bytes; the kernel works in
 fp32 registers, never an fp32 copy). :data:`CHUNK_BUDGET_BYTES` bounds the op's temporaries: the chunk
 of logits, plus the N x H hidden gradient unless ``in_place_backward`` writes it over ``hidden``. ``C``
-is the largest multiple of 64 tokens that fits (at least 64 tokens, at most N). Bigger chunks keep the
-three matmuls near peak; smaller chunks cost less memory. At N = 8192, H = 4096, V = 128256, bf16, dW
-itself is 1002 MiB and the default 256 MiB budget gives C = 1024 with ``in_place_backward`` (251 MiB of
-logits, 8 chunks) and C = 768 without (188 MiB, plus 64 MiB for dh): about 1.22 GiB above the inputs
-either way. Both are multiples of 256 tokens, which the H200's products run faster than their neighbours
-(768 beat 704 by about 3 ms); benchmarks/notes/fused_linear_cross_entropy.md holds the sweeps of chunk sizes
-behind the budget. A patched model's loss bounds its chunk further, by the size of its hidden states
-(:func:`chunk_tokens_in_model`): in a training step the chunk adds to every activation alive. The rule itself
-(:func:`liger_lab.ops.chunked.rows_per_chunk`) is every fused linear loss's; each sets its own budget.
+is the largest multiple of 64 tokens that fits (at least 64 tokens, at most N; from 512 on, of 256).
+Bigger chunks keep the three matmuls near peak; smaller chunks cost less memory. At N = 8192, H = 4096,
+V = 128256, bf16, dW itself is 1002 MiB and the default 256 MiB budget gives C = 1024 with
+``in_place_backward`` (251 MiB of logits, 8 chunks) and C = 768 without (188 MiB, plus 64 MiB for dh): about
+1.22 GiB above the inputs either way. Both are multiples of 256 tokens, which the H200's products run faster
+than their neighbours (768 beat 704 by about 3 ms); benchmarks/notes/fused_linear_cross_entropy.md holds the
+sweeps of chunk sizes behind the budget. A patched model's loss bounds its chunk further, by the size of its
+hidden states (:func:`chunk_tokens_in_model`): in a training step the chunk adds to every activation alive. The
+rule itself (:func:`liger_lab.ops.chunked.rows_per_chunk`) is every fused linear loss's; each sets its own budget.
 
 **Accumulating dW.** ``accumulation`` picks the dtype of the running dW sum, for every fused linear loss
 (:func:`liger_lab.ops.chunked.accumulation_dtype`; the default, :data:`liger_lab.ops.chunked.ACCUMULATION`, for a
@@ -91,14 +91,23 @@ CHUNK_BUDGET_BYTES = 256 * chunked.MIB
 written over ``hidden``. The chunk size in tokens follows from it (see the module docstring)."""
 
 
+MATMUL_ALIGN = 256
+"""A chunk of at least twice this many tokens is a multiple of it: the H200 ran the products of 768- and
+1024-token chunks 2-4 ms faster than those of 640, 704 or 896 (benchmarks/notes/fused_linear_cross_entropy.md)."""
+
+
 def chunk_tokens_for(
     n_tokens: int, vocab: int, dtype: torch.dtype, budget: int | None = None, *, other_bytes: int = 0
 ) -> int:
     """Tokens per chunk: the largest multiple of 64 whose ``C x V`` logits fit in ``budget`` bytes
     (default :data:`CHUNK_BUDGET_BYTES`) less ``other_bytes`` (the hidden gradient's buffer, when there
-    is one), at least 64 (smaller matmuls waste the GPU), at most N."""
+    is one), at least 64 (smaller matmuls waste the GPU), at most N; from 512 tokens on, a multiple of
+    :data:`MATMUL_ALIGN` (unless it is all N)."""
     budget = CHUNK_BUDGET_BYTES if budget is None else budget
-    return chunked.rows_per_chunk(n_tokens, vocab * dtype.itemsize, budget, other_bytes=other_bytes)
+    tokens = chunked.rows_per_chunk(n_tokens, vocab * dtype.itemsize, budget, other_bytes=other_bytes)
+    if 2 * MATMUL_ALIGN <= tokens < n_tokens:
+        tokens -= tokens % MATMUL_ALIGN
+    return tokens
 
 
 MODEL_CHUNK_HIDDEN_STATES = 2

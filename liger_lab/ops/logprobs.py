@@ -453,7 +453,9 @@ def backward_tiles(
     if tokens * vocab * size + other <= budget:
         return tokens, vocab
     accumulator = tokens * hidden_size * 4 if with_grad_h else 0
-    return tokens, chunked.rows_per_chunk(vocab, tokens * size, budget, other_bytes=other + accumulator, align=128)
+    columns = chunked.rows_per_chunk(vocab, tokens * size, budget, other_bytes=other + accumulator,
+                                     align=fused_linear_cross_entropy.MATMUL_ALIGN)  # fmt: skip
+    return tokens, columns
 
 
 def _setup_context(ctx, inputs, output):
