@@ -139,14 +139,16 @@ def chunk_tokens_in_model(n_tokens: int, hidden_size: int, vocab: int, dtype: to
     return chunk_tokens_for(n_tokens, vocab, dtype, budget)
 
 
-def chunk_rows(rows: torch.Tensor, weight: torch.Tensor, chunk_tokens: int | None, with_grad_h: bool) -> int:
-    """The caller's chunk size, or the one :data:`CHUNK_BUDGET_BYTES` allows less the hidden gradient's buffer
-    when there is one (``with_grad_h``): the rule of every loss whose chunks are tokens of one head (this one, the
-    RL head and the GRPO family)."""
+def chunk_rows(
+    rows: torch.Tensor, weight: torch.Tensor, chunk_tokens: int | None, with_grad_h: bool, budget: int | None = None
+) -> int:
+    """The caller's chunk size, or the one ``budget`` (default :data:`CHUNK_BUDGET_BYTES`) allows less the hidden
+    gradient's buffer when there is one (``with_grad_h``): the rule of every loss whose chunks are tokens of one
+    head (this one, the RL head and the GRPO family)."""
     if chunk_tokens is not None:
         return chunk_tokens
     other = rows.numel() * rows.element_size() if with_grad_h else 0
-    return chunk_tokens_for(rows.shape[0], weight.shape[0], rows.dtype, other_bytes=other)
+    return chunk_tokens_for(rows.shape[0], weight.shape[0], rows.dtype, budget, other_bytes=other)
 
 
 def _cross_entropy_chunk(
