@@ -269,8 +269,9 @@ SMALL_STEP, SMALL_LENGTHS = "h200-wall-clock-e2e.json", "h200-wall-clock-lengths
 SMALL_STEP_NOW = ("h200-wall-clock-e2e-ff3b723.json", "h200-wall-clock-e2e-8x512-ff3b723.json")
 SMALL_LENGTHS_NOW, OP_WALL = "h200-wall-clock-lengths-ff3b723.json", "h200-wall-clock-ops-ff3b723.json"
 COMPILE_1_5B = "h200-e2e-1.5b-compile-ff3b723.json"
-TRL_STEPS, RL_HEAD = "h200-trl-steps-ff3b723.json", "h200-rl-head-ff3b723.json"
-CHUNK_SWEEPS = tuple(f"h200-sweep-{op}-chunks-ff3b723.json" for op in ("head", "grpo", "flce"))
+TRL_STEPS, RL_HEAD = "h200-trl-steps-78aa984.json", "h200-rl-head-4d7b479.json"
+CHUNK_SWEEPS = ("h200-sweep-grpo-align-caa115f.json", "h200-sweep-flce-align-caa115f.json",
+                "h200-sweep-flce-default-78aa984.json", "h200-head-backward-tiles-caa115f.json")  # fmt: skip
 TABLES = (
     Table("README.md", "bench", lambda: f"{ops_table(ops_rows(BENCH_OPS))}\n\n{raw_rows(BENCH_OPS)}\n\n"
           f"End to end (Llama-style 1.5B, AdamW, bf16):\n\n{e2e_table(results.load(BENCH_E2E))}"),
