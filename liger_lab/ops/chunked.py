@@ -190,7 +190,7 @@ def tiled_linear_grads(
                                                  dW_V' (+)= z.T @ h_T     # K = T
                                                  dh_T  += z @ W_V'        # summed over slices in fp32
 
-    Why tile the vocabulary: the chunk loop's dW product has K = C, the rows of logits that fit the budget (704 at
+    Why tile the vocabulary: the chunk loop's dW product has K = C, the rows of logits that fit the budget (768 at
     V = 128k), a thin product that reads and writes all of dW once per chunk. Here a tile of T = 4096 tokens by V'
     columns fits the same budget, so dW is read and written N / T times, each product has K = T, and with N <= T
     each slice of dW is one product, summed in fp32 inside cuBLAS and rounded once. dh pays instead: an fp32 T x H
