@@ -24,7 +24,7 @@ BF16_RTOL = 2.0**-7
 OURS = "liger_lab"
 
 RUN_HEADER = (
-    f"{'mode':<18}{'batch x seq':>12}{'tokens/s':>11}{'vs hf':>7}{'peak GiB':>10}{'host ms':>9}{'GPU ms':>8}"
+    f"{'mode':<18}{'batch x seq':>12}{'tokens/s':>11}{'vs hf':>9}{'peak GiB':>10}{'host ms':>9}{'GPU ms':>8}"
     f"{'1st step s':>12}{'loss0':>9}{'loss last':>11}"
 )
 
@@ -52,7 +52,7 @@ def format_run(row: dict[str, Any], rows: Sequence[dict[str, Any]] = ()) -> str:
     host = "" if row.get("host_ms_per_step") is None else f"{row['host_ms_per_step']:.1f}"
     gpu = "n/a" if row.get("gpu_ms_per_step") is None else f"{row['gpu_ms_per_step']:.1f}"
     return (
-        f"{row['impl']:<18}{shape:>12}{row['tokens_per_s']:>11.0f}{ratio:>7}{peak:>10}{host:>9}{gpu:>8}{first:>12}"
+        f"{row['impl']:<18}{shape:>12}{row['tokens_per_s']:>11.0f}{ratio:>9}{peak:>10}{host:>9}{gpu:>8}{first:>12}"
         f"{row['loss0']:>9.4f}{row['loss_last']:>11.4f}"
     )
 
