@@ -50,16 +50,20 @@ log-probabilities by advantages and add an entropy bonus. With respect to the he
     d loss / d z_j = g ([j == t] - p_j) - k p_j (log p_j + H) + 2 q (p_j**2 / e**L - p_j)
 
 times d z_j / d raw_j = logit_scale (1 - tanh**2) / T (logit_scale / T without a cap). mean_logits and is_top1 carry
-no gradient (as in TRL). A second kernel writes that d loss / d raw over the chunk's recomputed logits, from the
-saved (m, log s), H and L. The gradient depends on g, k and q *inside* the sums over tokens of dW = dz^T h and
+no gradient (as in TRL). A second kernel writes that d loss / d raw over recomputed logits, from the saved
+(m, log s), H and L. The gradient depends on g, k and q *inside* the sums over tokens of dW = dz^T h and
 db = sum dz, so nothing can be made before the upstream gradients exist: the forward is one matmul per chunk (the
 logits), the backward three (the logits again, dW, dh): 4 matmuls in all, 8 N H V FLOPs, as the fused
-cross-entropy's ``reduction="none"``. Ignored rows read nothing and get exact zeros. dW is summed over chunks as in
-:mod:`liger_lab.ops.fused_linear_cross_entropy` (``accumulation``).
+cross-entropy's ``reduction="none"``. Ignored rows read nothing and get exact zeros. The saved statistics are the
+whole row's, so the backward need not see a whole row at once: it runs over tiles of 4096 tokens by a slice of the
+vocabulary (:func:`backward_tiles`, :func:`liger_lab.ops.chunked.tiled_linear_grads`), and each slice of dW is one
+product over the tile's tokens, summed over token tiles as :mod:`liger_lab.ops.fused_linear_cross_entropy` sums over
+chunks (``accumulation``).
 
-**Memory.** One chunk of C x V logits (the fused cross-entropy's rule: :func:`liger_lab.ops.fused_linear_cross_entropy
-.chunk_rows`, whose budget benchmarks/notes/fused_linear_cross_entropy.md measures), the outputs and 8 bytes per token
-of statistics; the backward adds the N x H hidden gradient and dW.
+**Memory.** In the forward one chunk of C x V logits (the fused cross-entropy's rule:
+:func:`liger_lab.ops.fused_linear_cross_entropy.chunk_rows`, whose budget benchmarks/notes/fused_linear_cross_entropy.md
+measures), the outputs and 8 bytes per token of statistics; in the backward the N x H hidden gradient, dW, and within
+the same budget one tile of logits and the tile's dh in fp32 (summed over the vocabulary's slices).
 
 **Nothing is read back.** No ``.item()`` or ``.tolist()`` on the GPU path: the host never waits for the GPU, and
 counts stay device tensors. The targets are range-checked by a small kernel
@@ -372,9 +376,9 @@ def logprob_grad_rows(
 
 
 # --------------------------------------------------------------------------------------------------
-# PyTorch operators: the forward (logp, the outputs asked for, statistics) and the backward (the chunk loop again,
-# upstream gradients folded into dz). The forward operator carries its autograd formula: nothing is written over an
-# output, so no autograd.Function is needed. ``wanted`` flags the outputs of HEAD_OUTPUTS, in that order.
+# PyTorch operators: the forward (logp, the outputs asked for, statistics) and the backward (the logits again, tile
+# by tile, upstream gradients folded into dz). The forward operator carries its autograd formula: nothing is written
+# over an output, so no autograd.Function is needed. ``wanted`` flags the outputs of HEAD_OUTPUTS, in that order.
 
 
 def _forward(
@@ -544,8 +548,9 @@ def fused_linear_logprobs(
     when ``entropy=True`` (its round-3 meaning), then the names of ``outputs`` in the order given. float32 tensors of
     target's shape (is_top1: bool), 0 where target is ``ignore_index``. logp, the entropy and log_sum_sq_probs are
     differentiable w.r.t. hidden, weight and bias with any upstream gradients (the backward recomputes the logits
-    chunk by chunk; see the module docstring); mean_logits and is_top1 are not, as in TRL. ``chunk_tokens`` and
-    ``accumulation`` ("auto", "fp32", "weight_dtype") as in :func:`liger_lab.fused_linear_cross_entropy`. Bad input
+    tile by tile; see the module docstring); mean_logits and is_top1 are not, as in TRL. ``chunk_tokens`` (the
+    tokens of a forward chunk and of a backward tile) and ``accumulation`` ("auto", "fp32", "weight_dtype") as in
+    :func:`liger_lab.fused_linear_cross_entropy`. Bad input
     (shapes, dtypes, a temperature or soft cap that is not a positive number, an unknown or repeated output) raises
     ValueError; so does a target out of range in the interpreter, while on the GPU, which checks it without making
     the host wait, it makes every output and the gradients NaN. The caller's tensors are never modified.
