@@ -24,6 +24,15 @@ import liger_lab
 from liger_lab import profiling, runtime
 from liger_lab.workbook.results import write_rows
 
+ALL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+"""Every output of TRL's head besides the log-probs."""
+
+
+def head_shapes() -> dict[str, tuple[int, int, int]]:
+    """Row label suffix -> (N, H, V) of the head rows: the protocol's shape and a wide one (a small pair on CPU)."""
+    return {"": runtime.pick(cpu=(64, 32, 200), gpu=(8192, 4096, 128256)),
+            ":wide": runtime.pick(cpu=(96, 16, 300), gpu=(16384, 2048, 151936))}  # fmt: skip
+
 
 def _inputs(n: int, h: int, v: int, dtype: torch.dtype):
     torch.manual_seed(0)
@@ -33,7 +42,7 @@ def _inputs(n: int, h: int, v: int, dtype: torch.dtype):
     return hidden, weight, target
 
 
-def _head_rows(n: int, h: int, v: int, dtype: torch.dtype, outputs: tuple[str, ...]) -> dict[str, Callable]:
+def head_rows(n: int, h: int, v: int, dtype: torch.dtype, outputs: tuple[str, ...]) -> dict[str, Callable]:
     """liger_lab's head and TRL's asked for log-probs and ``outputs``; upstream gradients on every differentiable
     output (logp, entropy, log_sum_sq_probs)."""
     hidden, weight, target = _inputs(n, h, v, dtype)
@@ -90,7 +99,9 @@ def _grpo_rows(b: int, t: int, h: int, v: int, dtype: torch.dtype) -> dict[str, 
     return {"liger_lab": ours, "liger": liger, "trl": trl}
 
 
-def _measure(name: str, rows: dict[str, Callable[[], object]], flops: float, passes: int) -> list[dict]:
+def measure(name: str, rows: dict[str, Callable[[], object]], flops: float, passes: int) -> list[dict]:
+    """One row per implementation of ``rows``: GPU time (kernel sum), wall time, peak above the inputs, and the
+    floor of ``passes`` matmuls (``flops`` in all) at the matmul rate measured here."""
     rate = profiling.matmul_tflops()
     floor = None if rate is None else flops / (rate * 1e12) * 1e3
     results = []
@@ -115,19 +126,16 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     print(runtime.describe())
-    head_shapes = {"": runtime.pick(cpu=(64, 32, 200), gpu=(8192, 4096, 128256)),
-                   ":wide": runtime.pick(cpu=(96, 16, 300), gpu=(16384, 2048, 151936))}  # fmt: skip
     b, t = runtime.pick(cpu=(4, 16), gpu=(8, 1024))
     dtype = runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)
     rows = []
-    all_outputs = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-    for label, (n, h, v) in head_shapes.items():
-        for outputs in (("entropy",), all_outputs):
+    for label, (n, h, v) in head_shapes().items():
+        for outputs in (("entropy",), ALL_OUTPUTS):
             name = "fused_linear_logprobs" + ("" if len(outputs) == 1 else ":all_outputs") + label
-            rows += _measure(name, _head_rows(n, h, v, dtype, outputs), 8.0 * n * h * v, 4)
+            rows += measure(name, head_rows(n, h, v, dtype, outputs), 8.0 * n * h * v, 4)
         torch.cuda.empty_cache() if not runtime.INTERPRET else None
-    h, v = head_shapes[""][1:]
-    rows += _measure("fused_linear_grpo", _grpo_rows(b, t, h, v, dtype), 6.0 * b * t * h * v, 3)
+    h, v = head_shapes()[""][1:]
+    rows += measure("fused_linear_grpo", _grpo_rows(b, t, h, v, dtype), 6.0 * b * t * h * v, 3)
     if args.json:
         write_rows(rows, Path(args.json))
 

@@ -17,12 +17,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.rl_head import _head_rows, _measure
+from benchmarks.rl_head import ALL_OUTPUTS, head_rows, head_shapes, measure
 from liger_lab import runtime
 from liger_lab.ops import logprobs
 from liger_lab.workbook.results import write_rows
-
-ALL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 def main() -> None:
@@ -32,21 +30,20 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     print(runtime.describe())
-    shapes = {"": runtime.pick(cpu=(64, 32, 200), gpu=(8192, 4096, 128256)),
-              ":wide": runtime.pick(cpu=(96, 16, 300), gpu=(16384, 2048, 151936))}  # fmt: skip
     dtype = runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)
     default = logprobs.BACKWARD_TOKENS
     rows = []
-    for label, (n, h, v) in shapes.items():
-        calls = _head_rows(n, h, v, dtype, ALL_OUTPUTS)
+    for label, (n, h, v) in head_shapes().items():
+        calls = head_rows(n=n, h=h, v=v, dtype=dtype, outputs=ALL_OUTPUTS)
+        name, flops = f"fused_linear_logprobs:all_outputs{label}", 8.0 * n * h * v
         for round_ in range(args.rounds):
             for tokens in args.tokens:
                 logprobs.BACKWARD_TOKENS = tokens
                 impl = {f"liger_lab:backward_tokens={tokens}": calls["liger_lab"]}
-                for row in _measure(f"fused_linear_logprobs:all_outputs{label}", impl, 8.0 * n * h * v, 4):
+                for row in measure(name=name, rows=impl, flops=flops, passes=4):
                     rows.append({**row, "round": round_, "backward_tokens": tokens})
             logprobs.BACKWARD_TOKENS = default
-            for row in _measure(f"fused_linear_logprobs:all_outputs{label}", {"trl": calls["trl"]}, 8.0 * n * h * v, 4):
+            for row in measure(name=name, rows={"trl": calls["trl"]}, flops=flops, passes=4):
                 rows.append({**row, "round": round_})
     if args.json:
         write_rows(rows, args.json)
