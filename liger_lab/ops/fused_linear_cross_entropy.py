@@ -140,7 +140,7 @@ def chunk_tokens_in_model(n_tokens: int, hidden_size: int, vocab: int, dtype: to
 
 
 def chunk_rows(
-    rows: torch.Tensor, weight: torch.Tensor, chunk_tokens: int | None, with_grad_h: bool, budget: int | None = None
+    rows: torch.Tensor, weight: torch.Tensor, chunk_tokens: int | None, with_grad_h: bool, *, budget: int | None = None
 ) -> int:
     """The caller's chunk size, or the one ``budget`` (default :data:`CHUNK_BUDGET_BYTES`) allows less the hidden
     gradient's buffer when there is one (``with_grad_h``): the rule of every loss whose chunks are tokens of one

@@ -184,7 +184,7 @@ def _forward(
     weights = _token_weights(mask, n_seq, o.loss_type, max_completion_length, num_items, num_items_value)
     ref = flat(ref_logps) if o.beta != 0 else None
     tokens = _Tokens(mask.reshape(-1), weights, flat(adv), flat(old_logps), ref)
-    chunk = chunk_rows(rows, weight, chunk_tokens, needs[0], CHUNK_BUDGET_BYTES)
+    chunk = chunk_rows(rows, weight, chunk_tokens, needs[0], budget=CHUNK_BUDGET_BYTES)
     logp = logps if per_token else torch.empty(n_tokens, dtype=torch.float32, device=device)
     stats = torch.empty(min(chunk, n_tokens), 2, dtype=torch.float32, device=device)
 
