@@ -32,9 +32,9 @@ is the largest multiple of 64 tokens that fits (at least 64 tokens, at most N; f
 Bigger chunks keep the three matmuls near peak; smaller chunks cost less memory. At N = 8192, H = 4096,
 V = 128256, bf16, dW itself is 1002 MiB and the default 256 MiB budget gives C = 1024 with
 ``in_place_backward`` (251 MiB of logits, 8 chunks) and C = 768 without (188 MiB, plus 64 MiB for dh): about
-1.22 GiB above the inputs either way. Both are multiples of 256 tokens, which the H200's products run faster
-than their neighbours (768 beat 704 by about 3 ms); benchmarks/notes/fused_linear_cross_entropy.md holds the
-sweeps of chunk sizes behind the budget. A patched model's loss bounds its chunk further, by the size of its
+1.22 GiB above the inputs either way. Both are multiples of 256 tokens, whose products the H200 runs faster than
+their neighbours' (:data:`MATMUL_ALIGN`); benchmarks/notes/fused_linear_cross_entropy.md holds the sweeps of chunk
+sizes behind the budget. A patched model's loss bounds its chunk further, by the size of its
 hidden states (:func:`chunk_tokens_in_model`): in a training step the chunk adds to every activation alive. The
 rule itself (:func:`liger_lab.ops.chunked.rows_per_chunk`) is every fused linear loss's; each sets its own budget.
 
@@ -92,8 +92,9 @@ written over ``hidden``. The chunk size in tokens follows from it (see the modul
 
 
 MATMUL_ALIGN = 256
-"""A chunk of at least twice this many tokens is a multiple of it: the H200 ran the products of 768- and
-1024-token chunks 2-4 ms faster than those of 640, 704 or 896 (benchmarks/notes/fused_linear_cross_entropy.md)."""
+"""A chunk of at least twice this many tokens is a multiple of it: in the H200 sweep of
+benchmarks/notes/fused_linear_cross_entropy.md, chunks of 768 and 1024 tokens ran faster than chunks of 640, 704
+or 896 (cuBLAS tiles a chunk's rows by 128 or 256)."""
 
 
 def chunk_tokens_for(

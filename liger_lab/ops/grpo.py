@@ -90,8 +90,8 @@ COMPLETIONS = "B completions of T tokens"
 CHUNK_BUDGET_BYTES = 320 * chunked.MIB
 """Bytes of one chunk of logits plus the hidden gradient's buffer. GRPO makes its gradient in the forward, so
 every chunk ends with a dW product over the chunk's tokens alone, reading and writing all of dW: above the fused
-cross-entropy's 256 MiB, 1024-token chunks (8 at 8192 x 128256, 1.29 GiB above the inputs) instead of 768 ran
-about 1.5 ms faster on the H200 (benchmarks/notes/fused_linear_cross_entropy.md)."""
+cross-entropy's 256 MiB, it gives 1024-token chunks (8 at 8192 x 128256, 1.29 GiB above the inputs) instead of 768,
+the faster of the two in the H200 sweep of benchmarks/notes/fused_linear_cross_entropy.md."""
 
 
 def policy_terms(ratio, adv, logp, o: GRPOOptions):
