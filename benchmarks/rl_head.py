@@ -22,10 +22,8 @@ import torch
 
 import liger_lab
 from liger_lab import profiling, runtime
+from liger_lab.formulas import HEAD_OUTPUTS
 from liger_lab.workbook.results import write_rows
-
-ALL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-"""Every output of TRL's head besides the log-probs."""
 
 
 def head_shapes() -> dict[str, tuple[int, int, int]]:
@@ -63,8 +61,7 @@ def head_rows(n: int, h: int, v: int, dtype: torch.dtype, outputs: tuple[str, ..
         from trl.kernels import ChunkedLogProbFunction
 
         made = ChunkedLogProbFunction.apply(hidden, weight, None, target, 1.0, 32768, None, 1.0, outputs)
-        names = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-        backward(made[0], dict(zip(names, made[1:], strict=True)))
+        backward(made[0], dict(zip(HEAD_OUTPUTS, made[1:], strict=True)))
 
     return {"liger_lab": ours, "trl": trl}
 
@@ -130,7 +127,7 @@ def main() -> None:
     dtype = runtime.pick(cpu=torch.float32, gpu=torch.bfloat16)
     rows = []
     for label, (n, h, v) in head_shapes().items():
-        for outputs in (("entropy",), ALL_OUTPUTS):
+        for outputs in (("entropy",), HEAD_OUTPUTS):
             name = "fused_linear_logprobs" + ("" if len(outputs) == 1 else ":all_outputs") + label
             rows += measure(name, head_rows(n, h, v, dtype, outputs), 8.0 * n * h * v, 4)
         torch.cuda.empty_cache() if not runtime.INTERPRET else None

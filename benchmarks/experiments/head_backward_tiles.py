@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.rl_head import ALL_OUTPUTS, head_rows, head_shapes, measure
+from benchmarks.rl_head import head_rows, head_shapes, measure
 from liger_lab import runtime
+from liger_lab.formulas import HEAD_OUTPUTS
 from liger_lab.ops import logprobs
 from liger_lab.workbook.results import write_rows
 
@@ -34,7 +35,7 @@ def main() -> None:
     default = logprobs.BACKWARD_TOKENS
     rows = []
     for label, (n, h, v) in head_shapes().items():
-        calls = head_rows(n=n, h=h, v=v, dtype=dtype, outputs=ALL_OUTPUTS)
+        calls = head_rows(n=n, h=h, v=v, dtype=dtype, outputs=HEAD_OUTPUTS)
         name, flops = f"fused_linear_logprobs:all_outputs{label}", 8.0 * n * h * v
         for round_ in range(args.rounds):
             for tokens in args.tokens:
