@@ -48,8 +48,11 @@ def marked():
 
 
 def _kernelized(model, mode):
+    """``model`` kernelized with liger_lab's mapping alone. A layer name it maps must load liger_lab's layer (no
+    fallback); names it does not map (``rotary_pos_emb`` and ``SiLU``, which transformers marks and ``kernels``
+    0.19 kernelizes too) keep transformers' forward."""
     with kernels.use_kernel_mapping(hub_kernels.kernel_mapping(), inherit_mapping=False):
-        return kernels.kernelize(model, mode=mode, device="cpu", use_fallback=False)
+        return kernels.kernelize(model, mode=mode, device="cpu", use_fallback=kernels.KernelizeFallback.NO_LAYER)
 
 
 @pytest.mark.parametrize("model_type", sorted(MARKED))
@@ -122,9 +125,9 @@ def test_use_liger_kernel_in_training_arguments_patches_with_liger_lab(tmp_path,
     liger_lab.unpatch(model)
 
 
-# transformers 5.24 enables its kernels integration for kernels 0.18.x only; the index this runs against may have an
-# earlier one, whose layer API is the same: the subprocess then lifts the version check before transformers imports
-# its integration (a no-op where a supported version is installed).
+# transformers enables its kernels integration for one minor release of kernels (5.24: 0.18.x, 5.25: 0.19.x); the
+# installed one may be another, whose layer API is the same: the subprocess then lifts the version check before
+# transformers imports its integration (a no-op where a supported version is installed).
 _USE_KERNELS = """
 import liger_lab
 import transformers.utils as utils, transformers.utils.import_utils as import_utils

@@ -28,6 +28,7 @@ Liger-Kernel, and raise ImportError where it is not installed: :func:`serve_use_
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -193,15 +194,22 @@ def unregister() -> None:
                 defaults[name] = displaced
     _DISPLACED.clear()
     try:
-        from kernels import register_kernel_mapping
-        from kernels.layer.kernelize import _KERNEL_MAPPING
+        import kernels
     except ImportError:
         return
-    current = _KERNEL_MAPPING.get()
+    # The package keeps its global mapping beside ``kernelize`` and offers no call that removes an entry; the module
+    # that defines kernelize has moved between releases (kernels.layer.kernelize, then kernels._internals...).
+    mapping = getattr(inspect.getmodule(kernels.kernelize), "_KERNEL_MAPPING", None)
+    if mapping is None:
+        raise RuntimeError(
+            f"liger_lab.hf.hub_kernels.unregister(): kernels {getattr(kernels, '__version__', '?')} keeps its layer "
+            "mapping where liger_lab does not find it; liger_lab's layers stay registered in this process"
+        )
+    current = mapping.get()
     for name in vars(layers):
         current.pop(name, None)
         if defaults is not None and name in defaults:  # transformers' own entry, as use_kernels=True registers it
-            register_kernel_mapping({name: defaults[name]})
+            kernels.register_kernel_mapping({name: defaults[name]})
 
 
 # Liger-Kernel's keywords (``liger_kernel_config``) that liger_lab.patch takes under the same name; the others

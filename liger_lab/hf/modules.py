@@ -345,18 +345,28 @@ _DISPATCHERS: dict[types.ModuleType, Callable[..., tuple[torch.Tensor, torch.Ten
 
 def rope_dispatcher(family: Family, modeling: types.ModuleType) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """What replaces ``modeling.apply_rotary_pos_emb``: the fused kernel inside a fused attention's
-    forward, transformers' function in every other model of the family."""
+    forward, transformers' function in every other model of the family.
+
+    Where transformers' Hub-kernels integration is on, its ``apply_rotary_pos_emb`` is not a function but an
+    instance of a one-function ``nn.Module`` class from the ``kernels`` package, and every attention keeps a private
+    instance of that class, which unpickles as ``type(modeling.apply_rotary_pos_emb)()``. The dispatcher is then an
+    instance of the same class with its ``forward`` replaced, so a model pickled or loaded while the swap is held
+    gets private instances of transformers' class, as it would unpatched."""
     if modeling not in _DISPATCHERS:
         original = original_of(modeling, family.rope_function)
         fused = _FUSED_ROPE[family.rope_layout]
         if family.rope_half_tables:
             fused = _fused_half_table_rotary_pos_emb
 
-        @functools.wraps(original)
         def apply_rotary_pos_emb(*args, **kwargs):
             return (fused if _FusedRope.depth else original)(*args, **kwargs)
 
-        _DISPATCHERS[modeling] = apply_rotary_pos_emb
+        if isinstance(original, nn.Module):
+            dispatcher = type(original)()
+            dispatcher.forward = apply_rotary_pos_emb
+        else:
+            dispatcher = functools.wraps(original)(apply_rotary_pos_emb)
+        _DISPATCHERS[modeling] = dispatcher
     return _DISPATCHERS[modeling]
 
 
