@@ -18,7 +18,9 @@ peak memory over the timed steps, host CPU time per step (every thread of the pr
 kernel sum of two profiled steps). ``lengths``: the compiled modes over 10 new sequence lengths (384..1536, batch 4,
 each length met twice, the second pass timed) with the graphs Dynamo compiled. ``e2e --variants`` adds labelled rows:
 ``liger_lab+compile:kernels`` compiles every op as its operator (:func:`liger_lab.ops.operators.kernels_under_compile`),
-``:chunk=N`` sets the fused loss's chunk of tokens.
+``:chunk=N`` sets the fused loss's chunk of tokens, ``+compile:reduce-overhead`` compiles Hugging Face's model and the
+patched one with ``mode="reduce-overhead"`` (the graphs replayed as CUDA graphs; ``cudagraph_skips`` counts the graphs
+Inductor left out of them, whose reasons ``TORCH_LOGS=perf_hints`` prints).
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ Report = Callable[[dict], None]
 IMPLS = ("liger_lab", "liger", "eager")
 E2E_RUNS = tuple((mode, batch, seq, {}) for batch, seq in ((4, 1024), (8, 512)) for mode in MODES)
 VARIANT_RUNS = (
+    ("hf+compile", 4, 1024, {"compile_mode": "reduce-overhead"}),
+    ("liger_lab+compile", 4, 1024, {"compile_mode": "reduce-overhead"}),
+    ("hf+compile", 8, 512, {"compile_mode": "reduce-overhead"}),
+    ("liger_lab+compile", 8, 512, {"compile_mode": "reduce-overhead"}),
     ("liger_lab+compile", 4, 1024, {"kernels": True}),
     ("liger_lab", 4, 1024, {"chunk": 1024}),
     ("liger_lab+compile", 4, 1024, {"chunk": 1024}),
@@ -170,16 +176,19 @@ def op_rows(names: list[str], report: Report) -> None:
             torch.cuda.empty_cache()
 
 
-def step_row(mode: str, batch: int, seq: int, *, chunk: int | None, kernels: bool) -> dict:
+def step_row(
+    mode: str, batch: int, seq: int, *, chunk: int | None, kernels: bool, compile_mode: str | None = None
+) -> dict:
     """One training run of the small preset in ``mode`` (this process only: patching is global)."""
     from torch._dynamo.utils import counters
 
     config = model_config("small")
     label = mode + (":kernels" if kernels else "") + (f":chunk={chunk}" if chunk else "")
+    label += f":{compile_mode}" if compile_mode else ""
     row: dict = {"op": "e2e", "model": "small", "impl": label, "batch": batch}
     with operators.kernels_under_compile() if kernels else contextlib.nullcontext():
         model = build_model(config)
-        apply_mode(model, mode, loss_chunk_tokens=chunk)
+        apply_mode(model, mode, compile_mode=compile_mode, loss_chunk_tokens=chunk)
         optimizer = make_optimizer(model, 1e-4)
         tokens = random_batch(config, batch, seq, 0)
         losses = [train_step(model, optimizer, tokens) for _ in range(3)]
@@ -198,6 +207,8 @@ def step_row(mode: str, batch: int, seq: int, *, chunk: int | None, kernels: boo
                peak_gib=peak, host_ms_per_step=round(1e3 * cpu / steps, 2), gpu_ms_per_step=round(gpu_ms, 2),
                graphs=graphs, timed_compiles=counters["stats"]["unique_graphs"] - graphs,
                loss0=round(losses[0].item(), 4), loss_last=round(losses[-1].item(), 4))  # fmt: skip
+    if compile_mode == "reduce-overhead":
+        row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
     return row
 
 
@@ -220,6 +231,7 @@ def e2e_rows(report: Report, *, variants: bool = False, sizes: list[str] | None 
         args = ["--mode", mode, "--batch", str(batch), "--seq", str(seq)]
         args += ["--chunk", str(options["chunk"])] if "chunk" in options else []
         args += ["--kernels"] if options.get("kernels") else []
+        args += ["--compile-mode", options["compile_mode"]] if "compile_mode" in options else []
         report(run_child(args))
 
 
@@ -252,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--chunk", type=int)
     parser.add_argument("--kernels", action="store_true")
+    parser.add_argument("--compile-mode", help="step: torch.compile's mode of a +compile mode (reduce-overhead)")
     parser.add_argument("--variants", action="store_true", help="e2e: also the rows behind the defaults' choices")
     parser.add_argument("--sizes", nargs="*", help="e2e: only these batch x seq sizes, e.g. 4x1024")
     parser.add_argument("--modes", nargs="*", default=["hf+compile", "liger_lab+compile"], help="lengths: the modes")
@@ -259,7 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     if runtime.INTERPRET:
         raise SystemExit("wall_clock.py measures a GPU's wall clock: run it on a machine with CUDA")
     if args.part == "step":
-        row = step_row(args.mode, args.batch, args.seq, chunk=args.chunk, kernels=args.kernels)
+        row = step_row(
+            args.mode, args.batch, args.seq, chunk=args.chunk, kernels=args.kernels, compile_mode=args.compile_mode
+        )
         print(json.dumps(row), flush=True)
         return
 

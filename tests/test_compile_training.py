@@ -57,6 +57,24 @@ def test_compiled_patched_model_trains_like_the_eager_one(model_type, backend):
     _assert_same_training(_steps(compiled, input_ids, labels), _steps(twin, input_ids, labels))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_reduce_overhead_replays_the_patched_model_as_cuda_graphs(model_type):
+    """``mode="reduce-overhead"``: the same steps as eagerly, with every compiled graph kept in CUDA graphs (a graph
+    Inductor skips runs without one, correct but as slow as the default mode: ``TORCH_LOGS=perf_hints`` says why)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = liger_lab.patch(tiny_model(model_type))
+    twin = copy.deepcopy(model)
+    input_ids, labels = batch()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    _assert_same_training(_steps(compiled, input_ids, labels), _steps(twin, input_ids, labels))
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_a_patched_decoder_layer_is_one_graph(model_type):
     torch.manual_seed(0)

@@ -208,6 +208,7 @@ def test_breakdown_table_lists_every_part(design):
         (lambda c: train("hf", c, 1, 8, steps=0), "steps"),
         (lambda c: apply_mode(torch.nn.Linear(1, 1), "deepspeed"), "expected one of"),
         (lambda c: apply_mode(torch.nn.Linear(1, 1), "liger", loss_chunk_tokens=64), "liger_lab's option"),
+        (lambda c: apply_mode(torch.nn.Linear(1, 1), "hf", compile_mode="reduce-overhead"), "torch.compile's option"),
     ],
 )
 def test_bad_input_is_a_value_error(tiny, call, message):
@@ -436,6 +437,15 @@ def test_apply_mode_compiles_the_model_in_place(tiny):
     assert apply_mode(model, "hf+compile", compile_backend="eager") is model
     assert model._compiled_call_impl is not None  # model(...) now runs the compiled forward
     assert list(model.parameters()) == parameters  # the optimizer keeps training the same tensors
+
+
+def test_apply_mode_passes_torch_compile_s_mode(tiny, monkeypatch):
+    model = build_model(tiny)
+    calls = []
+    monkeypatch.setattr(model, "compile", lambda **options: calls.append(options))
+    apply_mode(model, "hf+compile", compile_mode="reduce-overhead")
+    apply_mode(model, "hf+compile")
+    assert calls == [{"backend": "inductor", "mode": "reduce-overhead"}, {"backend": "inductor", "mode": None}]
 
 
 def test_loss_curves_that_agree_and_one_that_does_not_move():

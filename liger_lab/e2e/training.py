@@ -96,17 +96,25 @@ FUSED = dict(rope=True, rms_norm=True, fused_linear_cross_entropy=True, cross_en
 
 
 def apply_mode(
-    model: torch.nn.Module, mode: str, *, compile_backend: str = "inductor", loss_chunk_tokens: int | None = None
+    model: torch.nn.Module,
+    mode: str,
+    *,
+    compile_backend: str = "inductor",
+    compile_mode: str | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> torch.nn.Module:
     """Swap in the kernels of ``mode`` (this changes module-level functions of transformers: one mode
     per process); for a ``+compile`` mode, then compile the model in place (``model.compile``, so
-    ``model(...)`` runs the compiled forward and the optimizer keeps the same parameters). Returns the
-    model. ``loss_chunk_tokens``: :func:`liger_lab.patch`'s, for the liger_lab modes."""
+    ``model(...)`` runs the compiled forward and the optimizer keeps the same parameters), with torch.compile's
+    ``mode`` ``compile_mode`` (None: its default; ``"reduce-overhead"``: the compiled graphs replayed as CUDA graphs
+    on a GPU). Returns the model. ``loss_chunk_tokens``: :func:`liger_lab.patch`'s, for the liger_lab modes."""
     if mode not in MODES:
         raise ValueError(f"mode is {mode!r}: expected one of {MODES}")
     base = base_mode(mode)
     if loss_chunk_tokens is not None and base != "liger_lab":
         raise ValueError(f"loss_chunk_tokens is liger_lab's option: expected None in mode {mode!r}")
+    if compile_mode is not None and not is_compiled(mode):
+        raise ValueError(f"compile_mode is torch.compile's option: expected None in mode {mode!r}")
     if base == "liger_lab":
         liger_lab.patch(model, **FUSED, swiglu=True, loss_chunk_tokens=loss_chunk_tokens)
     elif base == "liger":
@@ -115,7 +123,7 @@ def apply_mode(
         family = family_of(model.config)
         getattr(liger_kernel.transformers, family.liger_patch)(model=model, **FUSED, **{family.gated_mlp: True})
     if is_compiled(mode):
-        model.compile(backend=compile_backend)
+        model.compile(backend=compile_backend, mode=compile_mode)
     return model
 
 
@@ -146,12 +154,14 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
     """One training step on ``tokens`` (its own labels): forward, backward, optimizer step, gradients set to None.
-    Returns the loss, detached (no host read)."""
+    Returns a detached copy of the loss (no host read). A copy, because a model compiled with
+    ``mode="reduce-overhead"`` returns outputs that live in its CUDA graphs' memory, which the next step overwrites
+    (and reading one afterwards raises)."""
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return loss.detach().clone()
 
 
 def _compile_counts() -> dict[str, int]:
