@@ -448,6 +448,17 @@ def test_apply_mode_passes_torch_compile_s_mode(tiny, monkeypatch):
     assert calls == [{"backend": "inductor", "mode": "reduce-overhead"}, {"backend": "inductor", "mode": None}]
 
 
+def test_wall_clock_variants_train_both_compiled_models_under_reduce_overhead(monkeypatch):
+    from benchmarks import wall_clock
+
+    children = []
+    monkeypatch.setattr(wall_clock, "run_child", lambda args: children.append(args) or {"args": args})
+    wall_clock.e2e_rows(lambda row: None, variants=True, sizes=["8x512"])
+    reduced = [args for args in children if "--compile-mode" in args]
+    assert {args[args.index("--mode") + 1] for args in reduced} == {"hf+compile", "liger_lab+compile"}
+    assert all(args[args.index("--compile-mode") + 1] == "reduce-overhead" for args in reduced)
+
+
 def test_loss_curves_that_agree_and_one_that_does_not_move():
     # The reference H200 run (anchors/h200-e2e-compile-2026-11-30.jsonl): hf 12.1574 -> 11.5362 in 7 steps;
     # liger_lab + torch.compile stayed at 12.1574.
