@@ -150,7 +150,11 @@ def wrap(model: nn.Module, case: str) -> nn.Module:
     if case == "ddp":
         return DistributedDataParallel(model)
     if case == "fsdp2_checkpointing":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.25's name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     options = {"mp_policy": policy} if case == "fsdp2_mixed_precision" else {}
     for layer in model.model.layers:
