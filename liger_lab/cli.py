@@ -323,6 +323,13 @@ class _Children:
     help="torch.compile backend of the +compile modes (aot_eager: trace without generating code).",
 )
 @click.option(
+    "--compile-mode",
+    type=click.Choice(["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]),
+    default="default",
+    show_default=True,
+    help="torch.compile mode of the +compile modes (reduce-overhead: replay the compiled graphs as CUDA graphs).",
+)
+@click.option(
     "--lengths",
     is_flag=True,
     help="Also train each mode over 10 new sequence lengths (384..1536 on a GPU) at the first --batch: ms per "
@@ -346,6 +353,7 @@ def bench_e2e(
     plot_path,
     timeline_path,
     compile_backend,
+    compile_mode,
     lengths,
 ) -> None:
     """Train each model preset a few steps per mode, each run in a fresh process: tokens/s, peak memory, loss.
@@ -371,7 +379,8 @@ def bench_e2e(
         raise click.BadParameter(hint, param_hint="--reference")
     click.echo(runtime.describe())
     children = _Children(timeout_s, budget_s, json_path)
-    common = dict(layers=layers, dtype=dtype, steps=steps, warmup=warmup, compile_backend=compile_backend)
+    common = dict(layers=layers, dtype=dtype, steps=steps, warmup=warmup, compile_backend=compile_backend,
+                  compile_mode=None if compile_mode == "default" else compile_mode)  # fmt: skip
     for model in models:
         config = model_config(model, layers=layers)
         click.echo(

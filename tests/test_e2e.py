@@ -208,7 +208,6 @@ def test_breakdown_table_lists_every_part(design):
         (lambda c: train("hf", c, 1, 8, steps=0), "steps"),
         (lambda c: apply_mode(torch.nn.Linear(1, 1), "deepspeed"), "expected one of"),
         (lambda c: apply_mode(torch.nn.Linear(1, 1), "liger", loss_chunk_tokens=64), "liger_lab's option"),
-        (lambda c: apply_mode(torch.nn.Linear(1, 1), "hf", compile_mode="reduce-overhead"), "torch.compile's option"),
     ],
 )
 def test_bad_input_is_a_value_error(tiny, call, message):
@@ -551,12 +550,14 @@ def test_bench_e2e_prints_each_run_the_loss_curves_and_the_verdict(tmp_path):
 
     json_path = tmp_path / "e2e.json"
     args = ["bench", "e2e", "--mode", "hf", "--mode", "hf+compile", "--model", "tiny", "--batch", "2", "--seq", "16",
-            "--steps", "2", "--warmup", "1", "--compile-backend", "aot_eager", "--json", str(json_path)]  # fmt: skip
+            "--steps", "2", "--warmup", "1", "--compile-backend", "aot_eager", "--compile-mode", "reduce-overhead",
+            "--json", str(json_path)]  # fmt: skip
     result = CliRunner().invoke(cli.main, args)
     assert result.exit_code == 0, result.output
     rows = json.loads(json_path.read_text())
     assert [r["impl"] for r in rows] == ["hf", "hf+compile"]
     assert all(len(r["losses"]) == 3 for r in rows) and rows[1]["compile_backend"] == "aot_eager"
+    assert rows[1]["compile_mode"] == "reduce-overhead" and "compile_mode" not in rows[0]  # the eager mode ignores it
     for row in rows:
         assert format_run(row, rows) in result.output
         assert format_losses(row) in result.output and " | " in format_losses(row)

@@ -47,6 +47,7 @@ def run_isolated(
     lr: float = 1e-4,
     shapes: Sequence[tuple[int, int]] = (),
     compile_backend: str | None = None,
+    compile_mode: str | None = None,
     timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Run :func:`liger_lab.e2e.train` (task "train"), :func:`~liger_lab.e2e.training.train_lengths` ("lengths"),
@@ -67,6 +68,8 @@ def run_isolated(
         args += ["--shapes", ",".join(f"{b}x{t}" for b, t in shapes)]
     if compile_backend is not None:
         args += ["--compile-backend", compile_backend]
+    if compile_mode is not None:
+        args += ["--compile-mode", compile_mode]
     sizes = {"shapes": [list(shape) for shape in shapes]} if task == "fit" else {"batch": batch, "seq": seq}
     failed = {"op": TASKS.get(task, f"e2e_{task}"), "impl": mode, "model": model, **sizes}
     return child_row(args, failed, timeout_s=timeout_s)
@@ -133,9 +136,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--shapes", default="", help="comma-separated BATCHxSEQ sizes for the fit task")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the +compile modes")
+    parser.add_argument("--compile-mode", help="torch.compile mode of the +compile modes (reduce-overhead)")
     args = parser.parse_args(argv)
     config = model_config(args.model, layers=args.layers)
-    common = dict(dtype=DTYPES[args.dtype] if args.dtype else None, lr=args.lr, compile_backend=args.compile_backend)
+    common = dict(dtype=DTYPES[args.dtype] if args.dtype else None, lr=args.lr, compile_backend=args.compile_backend,
+                  compile_mode=args.compile_mode)  # fmt: skip
     if args.task == "train":
         row = train(args.mode, config, args.batch, args.seq, steps=args.steps, warmup=args.warmup, **common)
     elif args.task == "fit":

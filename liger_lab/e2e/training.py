@@ -105,16 +105,15 @@ def apply_mode(
 ) -> torch.nn.Module:
     """Swap in the kernels of ``mode`` (this changes module-level functions of transformers: one mode
     per process); for a ``+compile`` mode, then compile the model in place (``model.compile``, so
-    ``model(...)`` runs the compiled forward and the optimizer keeps the same parameters), with torch.compile's
-    ``mode`` ``compile_mode`` (None: its default; ``"reduce-overhead"``: the compiled graphs replayed as CUDA graphs
-    on a GPU). Returns the model. ``loss_chunk_tokens``: :func:`liger_lab.patch`'s, for the liger_lab modes."""
+    ``model(...)`` runs the compiled forward and the optimizer keeps the same parameters) with torch.compile's
+    backend ``compile_backend`` and mode ``compile_mode`` (None: its default; ``"reduce-overhead"``: the compiled
+    graphs replayed as CUDA graphs on a GPU); an eager mode ignores both. Returns the model. ``loss_chunk_tokens``:
+    :func:`liger_lab.patch`'s, for the liger_lab modes."""
     if mode not in MODES:
         raise ValueError(f"mode is {mode!r}: expected one of {MODES}")
     base = base_mode(mode)
     if loss_chunk_tokens is not None and base != "liger_lab":
         raise ValueError(f"loss_chunk_tokens is liger_lab's option: expected None in mode {mode!r}")
-    if compile_mode is not None and not is_compiled(mode):
-        raise ValueError(f"compile_mode is torch.compile's option: expected None in mode {mode!r}")
     if base == "liger_lab":
         liger_lab.patch(model, **FUSED, swiglu=True, loss_chunk_tokens=loss_chunk_tokens)
     elif base == "liger":
@@ -201,6 +200,7 @@ def train(
     lr: float = 1e-4,
     seed: int = 0,
     compile_backend: str = "inductor",
+    compile_mode: str | None = None,
     loss_chunk_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` timed steps after ``warmup`` untimed ones; return one result row.
@@ -216,7 +216,8 @@ def train(
     A ``+compile`` mode always has at least one warm-up step, so compilation is never timed; its row
     also says how many graphs were compiled (``graphs``), how many of them during the timed steps
     (``timed_compiles``: a recompile there would make tokens/s wrong) and the graph breaks.
-    ``compile_backend`` is torch.compile's backend (``"aot_eager"`` skips code generation);
+    ``compile_backend`` and ``compile_mode`` are torch.compile's backend (``"aot_eager"`` skips code generation)
+    and mode (``"reduce-overhead"``: CUDA graphs);
     ``loss_chunk_tokens`` is :func:`liger_lab.patch`'s (liger_lab modes).
 
     Patching reaches beyond the model (RoPE is a module-level function of transformers): for any mode
@@ -234,10 +235,14 @@ def train(
                             "timer": timer_label()}  # fmt: skip
     if compiled:
         info["compile_backend"] = compile_backend
+        if compile_mode is not None:
+            info["compile_mode"] = compile_mode
     compile_s = None
     try:
         model = build_model(config, dtype=dtype, seed=seed)
-        apply_mode(model, mode, compile_backend=compile_backend, loss_chunk_tokens=loss_chunk_tokens)
+        apply_mode(
+            model, mode, compile_backend=compile_backend, compile_mode=compile_mode, loss_chunk_tokens=loss_chunk_tokens
+        )
         optimizer = make_optimizer(model, lr)
         tokens = random_batch(config, batch, seq, seed)
         reset_peak_memory()
@@ -279,7 +284,8 @@ def varying_lengths() -> tuple[int, ...]:
 
 def train_lengths(
     mode: str, config: PretrainedConfig, batch: int, *, dtype: torch.dtype | None = None, lr: float = 1e-4,
-    seed: int = 0, compile_backend: str = "inductor", loss_chunk_tokens: int | None = None,
+    seed: int = 0, compile_backend: str = "inductor", compile_mode: str | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One step at each of :func:`varying_lengths`, then the same lengths again, timed: whether a compiled model
     meets a new length without recompiling each time, and what a step costs then. The row has ms_per_step (the
@@ -288,7 +294,9 @@ def train_lengths(
     lengths = varying_lengths()
     dtype = dtype or default_dtype()
     model = build_model(config, dtype=dtype, seed=seed)
-    apply_mode(model, mode, compile_backend=compile_backend, loss_chunk_tokens=loss_chunk_tokens)
+    apply_mode(
+        model, mode, compile_backend=compile_backend, compile_mode=compile_mode, loss_chunk_tokens=loss_chunk_tokens
+    )
     optimizer = make_optimizer(model, lr)
     batches = [random_batch(config, batch, length, seed + length) for length in lengths]
     start = time.perf_counter()
@@ -305,6 +313,7 @@ def train_lengths(
         "op": "e2e_lengths", "lengths": list(lengths), "first_pass_s": round(first_pass, 2),
         "ms_per_step": round(1e3 * elapsed / len(lengths), 2), "host_ms_per_step": round(1e3 * host / len(lengths), 2),
         "graphs": _compile_counts()["graphs"] if is_compiled(mode) else None, "timer": timer_label(),
+        **({"compile_mode": compile_mode} if compile_mode is not None and is_compiled(mode) else {}),
     }  # fmt: skip
 
 
@@ -321,6 +330,7 @@ def largest_fit(
     dtype: torch.dtype | None = None,
     lr: float = 1e-4,
     compile_backend: str = "inductor",
+    compile_mode: str | None = None,
 ) -> dict[str, Any]:
     """Try one training step at each (batch, seq), smallest token count first, until one runs out of
     memory. Returns {"fits": [...], "oom_at": [batch, seq] or None, "largest": [batch, seq] or None}.
@@ -329,7 +339,7 @@ def largest_fit(
     CPU there is no memory limit to find: every size "fits", so pass small sizes there.
     """
     model = build_model(config, dtype=dtype or default_dtype())
-    apply_mode(model, mode, compile_backend=compile_backend)
+    apply_mode(model, mode, compile_backend=compile_backend, compile_mode=compile_mode)
     optimizer = make_optimizer(model, lr)
     fits: list[dict[str, Any]] = []
     oom_at = None
@@ -356,6 +366,7 @@ def memory_timeline(
     dtype: torch.dtype | None = None,
     lr: float = 1e-4,
     compile_backend: str = "inductor",
+    compile_mode: str | None = None,
 ) -> dict[str, Any]:
     """Allocated GPU memory through one training step (after a warm-up step made the optimizer states),
     from the caching allocator's history, and the largest blocks allocated in that step that are alive at its peak
@@ -365,7 +376,7 @@ def memory_timeline(
         return {"op": "e2e_timeline", "impl": mode, "t_ms": [], "allocated_gib": [],
                 "note": "memory timelines need a CUDA GPU"}  # fmt: skip
     model = build_model(config, dtype=dtype or default_dtype())
-    apply_mode(model, mode, compile_backend=compile_backend)
+    apply_mode(model, mode, compile_backend=compile_backend, compile_mode=compile_mode)
     optimizer = make_optimizer(model, lr)
     tokens = random_batch(config, batch, seq, 0)
     try:
@@ -439,6 +450,7 @@ def profile_step(
     dtype: torch.dtype | None = None,
     lr: float = 1e-4,
     compile_backend: str = "inductor",
+    compile_mode: str | None = None,
 ) -> dict[str, Any]:
     """Where a training step's GPU time goes: after two warm-up steps, ``steps`` steps under ``torch.profiler``
     (:func:`liger_lab.runtime.kernel_times_ms`), their kernels summed per step by kind
@@ -448,7 +460,7 @@ def profile_step(
     if runtime.INTERPRET:
         return {**row, "note": "kernel profiles need a CUDA GPU"}
     model = build_model(config, dtype=dtype or default_dtype())
-    apply_mode(model, mode, compile_backend=compile_backend)
+    apply_mode(model, mode, compile_backend=compile_backend, compile_mode=compile_mode)
     optimizer = make_optimizer(model, lr)
     tokens = random_batch(config, batch, seq, 0)
     train_step(model, optimizer, tokens)  # the optimizer's states; kernel_times_ms runs one more step before it
