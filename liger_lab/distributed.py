@@ -415,6 +415,9 @@ def worker(plan: dict[str, Any], out_path: str) -> None:
         report["curves"] = _curve(device, rank, world, plan["curve_steps"])
     if rank == 0:
         torch.save(report, out_path)
+    # Leave together: one process tearing the group down while its peer still holds it open is a teardown race
+    # (a loaded CPU machine once saw a gloo process abort there, failing a launch whose work had succeeded).
+    dist.barrier()
     dist.destroy_process_group()
 
 
