@@ -20,7 +20,10 @@ each length met twice, the second pass timed) with the graphs Dynamo compiled. `
 ``liger_lab+compile:kernels`` compiles every op as its operator (:func:`liger_lab.ops.operators.kernels_under_compile`),
 ``:chunk=N`` sets the fused loss's chunk of tokens, ``+compile:reduce-overhead`` compiles Hugging Face's model and the
 patched one with ``mode="reduce-overhead"`` (the graphs replayed as CUDA graphs; ``cudagraph_skips`` counts the graphs
-Inductor left out of them, whose reasons ``TORCH_LOGS=perf_hints`` prints).
+Inductor left out of them, whose reasons ``TORCH_LOGS=perf_hints`` prints). ``--variants LABEL ...`` runs only the
+variants whose label contains a LABEL, ``--no-defaults`` leaves out the default modes' rows:
+
+    python -m benchmarks.wall_clock e2e --variants reduce-overhead --no-defaults --json ...
 """
 
 from __future__ import annotations
@@ -183,8 +186,7 @@ def step_row(
     from torch._dynamo.utils import counters
 
     config = model_config("small")
-    label = mode + (":kernels" if kernels else "") + (f":chunk={chunk}" if chunk else "")
-    label += f":{compile_mode}" if compile_mode else ""
+    label = variant_label(mode, {"kernels": kernels, "chunk": chunk, "compile_mode": compile_mode})
     row: dict = {"op": "e2e", "model": "small", "impl": label, "batch": batch}
     with operators.kernels_under_compile() if kernels else contextlib.nullcontext():
         model = build_model(config)
@@ -222,8 +224,27 @@ def run_child(args: list[str], timeout_s: float = 300) -> dict:
     return json.loads(lines[-1]) if lines else {"args": args, "error": done.stderr[-600:]}
 
 
-def e2e_rows(report: Report, *, variants: bool = False, sizes: list[str] | None = None) -> None:
-    for mode, batch, seq, options in E2E_RUNS + (VARIANT_RUNS if variants else ()):
+def variant_label(mode: str, options: dict) -> str:
+    """The row label of a run: its mode, then its options (``liger_lab+compile:reduce-overhead``)."""
+    label = (
+        mode
+        + (":kernels" if options.get("kernels") else "")
+        + (f":chunk={options['chunk']}" if options.get("chunk") else "")
+    )
+    return label + (f":{options['compile_mode']}" if options.get("compile_mode") else "")
+
+
+def e2e_rows(
+    report: Report, *, variants: list[str] | None = None, sizes: list[str] | None = None, defaults: bool = True
+) -> None:
+    """The default modes' rows (unless not ``defaults``), then the variants whose label contains one of ``variants``
+    (every variant for an empty list, none for None)."""
+    chosen = [
+        run
+        for run in VARIANT_RUNS
+        if variants is not None and (not variants or any(v in variant_label(run[0], run[3]) for v in variants))
+    ]
+    for mode, batch, seq, options in (E2E_RUNS if defaults else ()) + tuple(chosen):
         if sizes and f"{batch}x{seq}" not in sizes:
             continue
         if mode.startswith("liger+") or (mode == "liger" and not profiling.liger_kernel_installed()):
@@ -265,7 +286,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk", type=int)
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--compile-mode", help="step: torch.compile's mode of a +compile mode (reduce-overhead)")
-    parser.add_argument("--variants", action="store_true", help="e2e: also the rows behind the defaults' choices")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        metavar="LABEL",
+        help="e2e: also the rows behind the defaults' choices (with LABELs: those whose label contains one)",
+    )
+    parser.add_argument("--no-defaults", action="store_true", help="e2e: only the variants")
     parser.add_argument("--sizes", nargs="*", help="e2e: only these batch x seq sizes, e.g. 4x1024")
     parser.add_argument("--modes", nargs="*", default=["hf+compile", "liger_lab+compile"], help="lengths: the modes")
     args = parser.parse_args(argv)
@@ -289,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.part == "ops":
         op_rows(args.ops, report)
     elif args.part == "e2e":
-        e2e_rows(report, variants=args.variants, sizes=args.sizes)
+        e2e_rows(report, variants=args.variants, sizes=args.sizes, defaults=not args.no_defaults)
     else:
         length_rows(report, args.modes)
 

@@ -452,10 +452,13 @@ def test_wall_clock_variants_train_both_compiled_models_under_reduce_overhead(mo
 
     children = []
     monkeypatch.setattr(wall_clock, "run_child", lambda args: children.append(args) or {"args": args})
-    wall_clock.e2e_rows(lambda row: None, variants=True, sizes=["8x512"])
+    wall_clock.e2e_rows(lambda row: None, variants=[], sizes=["8x512"])
     reduced = [args for args in children if "--compile-mode" in args]
     assert {args[args.index("--mode") + 1] for args in reduced} == {"hf+compile", "liger_lab+compile"}
     assert all(args[args.index("--compile-mode") + 1] == "reduce-overhead" for args in reduced)
+    children.clear()
+    wall_clock.e2e_rows(lambda row: None, variants=["reduce-overhead"], sizes=["8x512"], defaults=False)
+    assert children == reduced
 
 
 def test_loss_curves_that_agree_and_one_that_does_not_move():
