@@ -266,9 +266,9 @@ LOSSES, LOSS_OPS = ("h200-ops-round2.json",), ("jsd", "fused_linear_jsd", "fused
                                                  "fused_linear_simpo")  # fmt: skip
 VOCAB, NOTES_E2E = "h200-e2e-vocab.json", "h200-e2e.json"
 SMALL_STEP, SMALL_LENGTHS = "h200-wall-clock-e2e.json", "h200-wall-clock-lengths.json"
-SMALL_STEP_NOW = ("h200-wall-clock-e2e-ff3b723.json", "h200-wall-clock-e2e-8x512-ff3b723.json")
-SMALL_LENGTHS_NOW, OP_WALL = "h200-wall-clock-lengths-ff3b723.json", "h200-wall-clock-ops-ff3b723.json"
-COMPILE_1_5B = "h200-e2e-1.5b-compile-ff3b723.json"
+SMALL_STEP_NOW = ("h200-wall-clock-e2e-47042b1.json",)
+SMALL_LENGTHS_NOW, OP_WALL = "h200-wall-clock-lengths-47042b1.json", "h200-wall-clock-ops-47042b1.json"
+COMPILE_1_5B = "h200-e2e-1.5b-47042b1.json"
 TRL_STEPS, RL_HEAD = "h200-trl-steps-78aa984.json", "h200-rl-head-4d7b479.json"
 CHUNK_SWEEPS = ("h200-sweep-grpo-align-caa115f.json", "h200-sweep-flce-align-caa115f.json",
                 "h200-sweep-flce-default-78aa984.json", "h200-head-backward-tiles-caa115f.json")  # fmt: skip
