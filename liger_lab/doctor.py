@@ -20,7 +20,8 @@ tokens of the config's vocabulary, the same for both models. Five stages, each p
    model's (same weights, seed and data; :func:`liger_lab.e2e.compare_losses`, relative tolerance the dtype's
    machine epsilon but at least 1e-4), and every fallback that fired (liger_lab's warnings while patching and
    training: a loss that materialises the logits, an activation with no kernel).
-5. **A verdict**: the gain, the memory saved, every check that failed, and (``max_batch``, on a GPU) the largest
+5. **A verdict**: the gain, the memory saved, on a GPU whether the step waits on the host (and what removes the
+   wait), every check that failed, and (``max_batch``, on a GPU) the largest
    batch each model trains without running out of memory.
 
 Each model trains ``steps`` steps: the first is a warm-up (AdamW creates its states, Triton compiles its kernels)
@@ -96,6 +97,9 @@ STAGES = 5
 PHASES = ("forward", "backward", "optimizer")
 CATEGORIES = ("matmuls", "attention", "norms", "activations", "RoPE", "loss", "optimizer", "other", "host idle")
 REPLACEABLE = ("norms", "activations", "RoPE", "loss")
+HOST_BOUND_SHARE = 0.3
+"""A patched step whose GPU runs no kernel for this share of its wall clock or more waits on the host: the verdict
+says so, and names what takes the host out of a step (CUDA graphs)."""
 """The categories whose ops :func:`liger_lab.patch` replaces."""
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 _RANGE = "liger_lab.doctor: "
@@ -369,6 +373,23 @@ class StepProfile:
     def bound(self) -> float:
         """How many times faster the step would be if every op patch replaces took no time at all."""
         return 1 / (1 - self.replaceable_share) if self.replaceable_share < 1 else math.inf
+
+
+def host_row(run: TrainRun, profile: StepProfile) -> tuple[str, str, str]:
+    """The verdict's row on the host (GPU only): the GPU's kernel time in a step against the step's wall clock and
+    the host's CPU time; where the GPU idles :data:`HOST_BOUND_SHARE` of the step or more, what removes the wait.
+    Kernel time is the profiled step's (every category but host idle), the step's wall clock the timed median."""
+    kernels_ms = profile.wall_ms - profile.by_category_ms.get("host idle", 0.0)
+    idle = max(0.0, 1 - kernels_ms / run.step_ms) if run.step_ms else 0.0
+    host = "not measured" if run.host_ms is None else f"{run.host_ms:.1f} ms"
+    figures = f"GPU kernels {kernels_ms:.1f} ms of a {run.step_ms:.1f} ms step, host CPU {host}"
+    if idle >= HOST_BOUND_SHARE:
+        figures += (
+            f': the GPU waits on the host {idle:.0%} of the step. torch.compile(model, mode="reduce-overhead") '
+            "replays the compiled step as CUDA graphs, without the host's per-op work "
+            "(liger-lab bench e2e --compile-mode reduce-overhead measures it)"
+        )
+    return ("host", "", figures)
 
 
 def _range_category(module: nn.Module, model: nn.Module) -> str | None:
@@ -834,6 +855,7 @@ class DoctorResult:
                     f"{self.unpatched.peak_phase})",
                 )
             )
+            rows.append(host_row(self.patched, self.patched_profile))
         failed = [c for c in self.checks if c.status != "PASS"]
         figures = f"{len(self.checks) - len(failed)} of {len(self.checks)} passed"
         measured = [c for c in self.checks if c.rel_error is not None]

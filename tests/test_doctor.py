@@ -76,9 +76,22 @@ def test_a_local_model_directory_end_to_end(tmp_path):
         assert (data[run]["peak_gib"] is None) == (data[run]["peak_phase"] is None) == runtime.INTERPRET  # CUDA only
     assert data["losses"]["agree"] is True and data["fallbacks"] == []
     assert [t["impl"] for t in data["timelines"]] == ([] if runtime.INTERPRET else ["unpatched", "patched"])
-    assert [row["what"] for row in data["verdict"]] == ["speed", "peak memory", "module checks", "loss curve",
-                                                        "fallbacks"]  # fmt: skip
+    host = [] if runtime.INTERPRET else ["host"]  # GPU kernel time against the step's: a GPU figure
+    assert [row["what"] for row in data["verdict"]] == ["speed", "peak memory", *host, "module checks",
+                                                        "loss curve", "fallbacks"]  # fmt: skip
     assert {"torch", "triton", "transformers", "liger_lab"} <= set(data["environment"])
+
+
+def test_the_host_row_names_cuda_graphs_when_the_gpu_waits_on_the_host():
+    def run(step_ms: float) -> doctor.TrainRun:
+        return doctor.TrainRun("patched", [1.0], 1.0, step_ms, 1.0, None, host_ms=step_ms)
+
+    profile = doctor.StepProfile(20.0, "cuda", {"matmuls": 6.0, "loss": 2.0, "host idle": 12.0})
+    what, status, figures = doctor.host_row(run(16.0), profile)  # 8 ms of kernels in a 16 ms step
+    assert (what, status) == ("host", "")
+    assert figures.startswith("GPU kernels 8.0 ms of a 16.0 ms step, host CPU 16.0 ms: the GPU waits on the host 50%")
+    assert 'mode="reduce-overhead"' in figures
+    assert doctor.host_row(run(9.0), profile)[2] == "GPU kernels 8.0 ms of a 9.0 ms step, host CPU 9.0 ms"
 
 
 def test_a_family_with_a_fallback_shows_it(tmp_path):
