@@ -97,10 +97,10 @@ STAGES = 5
 PHASES = ("forward", "backward", "optimizer")
 CATEGORIES = ("matmuls", "attention", "norms", "activations", "RoPE", "loss", "optimizer", "other", "host idle")
 REPLACEABLE = ("norms", "activations", "RoPE", "loss")
+"""The categories whose ops :func:`liger_lab.patch` replaces."""
 HOST_BOUND_SHARE = 0.3
 """A patched step whose GPU runs no kernel for this share of its wall clock or more waits on the host: the verdict
 says so, and names what takes the host out of a step (CUDA graphs)."""
-"""The categories whose ops :func:`liger_lab.patch` replaces."""
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 _RANGE = "liger_lab.doctor: "
 _MATMULS = frozenset(
