@@ -186,7 +186,7 @@ def step_row(
     from torch._dynamo.utils import counters
 
     config = model_config("small")
-    label = variant_label(mode, {"kernels": kernels, "chunk": chunk, "compile_mode": compile_mode})
+    label = variant_label(mode, kernels=kernels, chunk=chunk, compile_mode=compile_mode)
     row: dict = {"op": "e2e", "model": "small", "impl": label, "batch": batch}
     with operators.kernels_under_compile() if kernels else contextlib.nullcontext():
         model = build_model(config)
@@ -224,14 +224,12 @@ def run_child(args: list[str], timeout_s: float = 300) -> dict:
     return json.loads(lines[-1]) if lines else {"args": args, "error": done.stderr[-600:]}
 
 
-def variant_label(mode: str, options: dict) -> str:
+def variant_label(
+    mode: str, *, kernels: bool = False, chunk: int | None = None, compile_mode: str | None = None
+) -> str:
     """The row label of a run: its mode, then its options (``liger_lab+compile:reduce-overhead``)."""
-    label = (
-        mode
-        + (":kernels" if options.get("kernels") else "")
-        + (f":chunk={options['chunk']}" if options.get("chunk") else "")
-    )
-    return label + (f":{options['compile_mode']}" if options.get("compile_mode") else "")
+    label = mode + (":kernels" if kernels else "") + (f":chunk={chunk}" if chunk else "")
+    return label + (f":{compile_mode}" if compile_mode else "")
 
 
 def e2e_rows(
@@ -242,7 +240,7 @@ def e2e_rows(
     chosen = [
         run
         for run in VARIANT_RUNS
-        if variants is not None and (not variants or any(v in variant_label(run[0], run[3]) for v in variants))
+        if variants is not None and (not variants or any(v in variant_label(run[0], **run[3]) for v in variants))
     ]
     for mode, batch, seq, options in (E2E_RUNS if defaults else ()) + tuple(chosen):
         if sizes and f"{batch}x{seq}" not in sizes:
